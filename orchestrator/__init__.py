@@ -1,0 +1,1 @@
+"""cellgate's gateway: config, conversations, sessions, harnesses, the HTTP API, the CLI."""

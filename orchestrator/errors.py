@@ -1,0 +1,92 @@
+"""Every error cellgate raises on purpose has one root.
+
+    CellgateError
+    ├── ConfigError(path, field, reason)        a config file or app.yaml is wrong
+    ├── AppError(app, reason)                   an app cannot be installed or found
+    ├── ConversationError(reason)               a chat id or channel name is unusable
+    ├── PolicyDenied(rule, reason)              a policy refused an action
+    └── SandboxError                            anything about a sandbox container
+        ├── EngineUnavailable(reason)           no Docker engine answers
+        ├── ImageError(image, reason)           an image is missing or failed to build
+        ├── MountVerificationFailed(container, violations)
+        │                                       a container's mounts are wider than its plan
+        └── ExecFailed(reason, exit_code, stderr)
+                                                a command could not be run in a sandbox
+
+Errors carry data; a message says what is wrong, where, and how to fix it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+
+class CellgateError(Exception):
+    """Root of every error cellgate raises on purpose."""
+
+
+class ConfigError(CellgateError):
+    def __init__(self, path: str, field: str, reason: str) -> None:
+        self.path = path
+        self.field = field
+        self.reason = reason
+        where = f"{path}: {field}" if field else path
+        super().__init__(f"{where}: {reason}")
+
+
+class AppError(CellgateError):
+    def __init__(self, app: str, reason: str) -> None:
+        self.app = app
+        self.reason = reason
+        super().__init__(f"app {app!r}: {reason}")
+
+
+class ConversationError(CellgateError):
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+        super().__init__(reason)
+
+
+class PolicyDenied(CellgateError):
+    def __init__(self, rule: str, reason: str) -> None:
+        self.rule = rule
+        self.reason = reason
+        super().__init__(f"refused by {rule}: {reason}")
+
+
+class SandboxError(CellgateError):
+    """Anything about a sandbox container."""
+
+
+class EngineUnavailable(SandboxError):
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+        super().__init__(
+            f"no Docker engine is reachable ({reason}); start one, e.g. "
+            "`sudo bash scripts/setup-engine.sh`, or set DOCKER_HOST"
+        )
+
+
+class ImageError(SandboxError):
+    def __init__(self, image: str, reason: str) -> None:
+        self.image = image
+        self.reason = reason
+        super().__init__(f"image {image!r}: {reason}")
+
+
+class MountVerificationFailed(SandboxError):
+    def __init__(self, container: str, violations: Sequence[str]) -> None:
+        self.container = container
+        self.violations = tuple(violations)
+        listed = "; ".join(self.violations)
+        super().__init__(
+            f"refusing to run in {container}: its mounts are wider than its plan (S4): {listed}"
+        )
+
+
+class ExecFailed(SandboxError):
+    def __init__(self, reason: str, exit_code: int | None = None, stderr: str = "") -> None:
+        self.reason = reason
+        self.exit_code = exit_code
+        self.stderr = stderr
+        super().__init__(reason)

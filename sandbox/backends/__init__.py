@@ -1,0 +1,1 @@
+"""Sandbox backends: one contract (`base.SandboxBackend`), one module per engine."""

@@ -1,0 +1,107 @@
+"""The one contract every sandbox backend implements.
+
+Cross-cutting work lives in the final public methods (`ensure` verifies what
+the hook created; `exec` bounds the time); backends implement the `_` hooks.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from orchestrator.errors import MountVerificationFailed
+from sandbox.spec import SandboxSpec
+from sandbox.verify import ObservedContainer, violations
+
+
+@dataclass(frozen=True, slots=True)
+class SandboxHandle:
+    name: str
+    container_id: str
+    spec_hash: str
+
+
+@dataclass(frozen=True, slots=True)
+class ExecResult:
+    exit_code: int
+    stdout: bytes
+    stderr: bytes
+    timed_out: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class SandboxInfo:
+    name: str
+    container_id: str
+    labels: Mapping[str, str]
+    running: bool
+
+
+class SandboxBackend(abc.ABC):
+    """ensure(spec) → handle; exec; inspect; remove; list by label."""
+
+    async def ensure(self, spec: SandboxSpec) -> SandboxHandle:
+        """Create or reuse the sandbox for `spec`, then verify it; refuse on any difference."""
+        handle = await self._ensure(spec)
+        await self.verify(spec, handle)
+        return handle
+
+    async def verify(self, spec: SandboxSpec, handle: SandboxHandle) -> None:
+        """S4: compare what the engine reports against the plan; raise on any difference."""
+        observed = await self.inspect(handle.name)
+        found = violations(spec, observed)
+        if found:
+            raise MountVerificationFailed(handle.name, found)
+
+    async def exec(
+        self,
+        handle: SandboxHandle,
+        argv: Sequence[str],
+        *,
+        env: Mapping[str, str] | None = None,
+        stdin: bytes | None = None,
+        timeout: float = 60.0,
+        workdir: str | None = None,
+    ) -> ExecResult:
+        if not argv:
+            raise ValueError("argv is empty")
+        return await self._exec(handle, list(argv), dict(env or {}), stdin, timeout, workdir)
+
+    @abc.abstractmethod
+    async def _ensure(self, spec: SandboxSpec) -> SandboxHandle: ...
+
+    @abc.abstractmethod
+    async def _exec(
+        self,
+        handle: SandboxHandle,
+        argv: list[str],
+        env: dict[str, str],
+        stdin: bytes | None,
+        timeout: float,
+        workdir: str | None,
+    ) -> ExecResult: ...
+
+    @abc.abstractmethod
+    async def inspect(self, name: str) -> ObservedContainer: ...
+
+    @abc.abstractmethod
+    async def remove(self, name: str) -> None: ...
+
+    @abc.abstractmethod
+    async def list(self, labels: Mapping[str, str]) -> list[SandboxInfo]: ...
+
+    @abc.abstractmethod
+    async def image_facts(self, image: str) -> ImageFacts: ...
+
+    async def close(self) -> None:  # noqa: B027 - optional hook
+        """Release the backend's connections."""
+
+
+@dataclass(frozen=True, slots=True)
+class ImageFacts:
+    """What the engine knows of an image: its id, user and environment."""
+
+    id: str
+    user: str
+    env: Mapping[str, str]
