@@ -5,13 +5,17 @@
     ├── AppError(app, reason)                   an app cannot be installed or found
     ├── ConversationError(reason)               a chat id or channel name is unusable
     ├── PolicyDenied(rule, reason)              a policy refused an action
-    └── SandboxError                            anything about a sandbox container
-        ├── EngineUnavailable(reason)           no Docker engine answers
-        ├── ImageError(image, reason)           an image is missing or failed to build
-        ├── MountVerificationFailed(container, violations)
-        │                                       a container's mounts are wider than its plan
-        └── ExecFailed(reason, exit_code, stderr)
-                                                a command could not be run in a sandbox
+    ├── SandboxError                            anything about a sandbox container
+    │   ├── EngineUnavailable(reason)           no Docker engine answers
+    │   ├── ImageError(image, reason)           an image is missing or failed to build
+    │   ├── MountVerificationFailed(container, violations)
+    │   │                                       a container's mounts are wider than its plan
+    │   └── ExecFailed(reason, exit_code, stderr)
+    │                                           a command could not be run in a sandbox
+    └── StoreError(reason)                      the state database failed or refused
+        ├── NotFound(kind, key)                 no row with that id
+        └── StateConflict(kind, key, expected, actual)
+                                                a guarded update found another state
 
 Errors carry data; a message says what is wrong, where, and how to fix it.
 """
@@ -90,3 +94,29 @@ class ExecFailed(SandboxError):
         self.exit_code = exit_code
         self.stderr = stderr
         super().__init__(reason)
+
+
+class StoreError(CellgateError):
+    """The state database failed, or refused an operation that would break its invariants."""
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+        super().__init__(reason)
+
+
+class NotFound(StoreError):
+    def __init__(self, kind: str, key: object) -> None:
+        self.kind = kind
+        self.key = key
+        super().__init__(f"no {kind} {key!r} in the state database")
+
+
+class StateConflict(StoreError):
+    """A guarded update (`UPDATE ... WHERE state = ?`) found the row in another state."""
+
+    def __init__(self, kind: str, key: object, expected: str, actual: str) -> None:
+        self.kind = kind
+        self.key = key
+        self.expected = expected
+        self.actual = actual
+        super().__init__(f"{kind} {key!r} is {actual}, not {expected}; nothing was changed")
