@@ -4,6 +4,9 @@
     ├── ConfigError(path, field, reason)        a config file or app.yaml is wrong
     ├── AppError(app, reason)                   an app cannot be installed or found
     ├── ConversationError(reason)               a chat id or channel name is unusable
+    ├── UnknownAgent(agent)                     no such agent is configured
+    ├── AgentUnavailable(agent, reason)         the agent exists but cannot take turns
+    ├── TurnTimeout(seconds)                    a turn ran past its time limit
     ├── PolicyDenied(rule, reason)              a policy refused an action
     ├── SandboxError                            anything about a sandbox container
     │   ├── EngineUnavailable(reason)           no Docker engine answers
@@ -49,6 +52,25 @@ class ConversationError(CellgateError):
     def __init__(self, reason: str) -> None:
         self.reason = reason
         super().__init__(reason)
+
+
+class UnknownAgent(CellgateError):
+    def __init__(self, agent: str) -> None:
+        self.agent = agent
+        super().__init__(f"no agent {agent!r} is configured")
+
+
+class AgentUnavailable(CellgateError):
+    def __init__(self, agent: str, reason: str) -> None:
+        self.agent = agent
+        self.reason = reason
+        super().__init__(f"agent {agent!r} cannot take turns: {reason}")
+
+
+class TurnTimeout(CellgateError):
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+        super().__init__(f"the turn did not finish within {seconds:g} s")
 
 
 class PolicyDenied(CellgateError):

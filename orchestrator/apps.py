@@ -1,0 +1,251 @@
+"""Apps: a directory with `app.yaml` that declares one agent service.
+
+`install_app` copies the agent's workspace template under the state directory,
+builds or checks its image, records the app, and writes the app agent's entry
+into the gateway config from the declaration (L3). Update, reconfigure,
+uninstall and backup build on the same record (`apps/<name>/app.json`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError, model_validator
+
+from orchestrator.config import (
+    AGENT_ID_RE,
+    HarnessConfig,
+    ShellHarness,
+    _first_error,
+    read_config_document,
+    write_config_document,
+)
+from orchestrator.errors import AppError, ConfigError
+from sandbox.images import Progress, build_image, image_id
+
+logger = logging.getLogger(__name__)
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class AppBuild(_Model):
+    context: str = "."
+    dockerfile: str = "Dockerfile"
+    args: dict[str, str] = Field(default_factory=dict)
+
+
+class AgentService(_Model):
+    path: str
+    name: str = Field(pattern=AGENT_ID_RE)
+    isolate_memory: StrictBool = False
+    disable_archive: StrictBool = False
+    image: str | None = None
+    build: AppBuild | None = None
+    user: str | None = Field(None, pattern=r"^[0-9]{1,10}(:[0-9]{1,10})?$")
+    environment: dict[str, str] = Field(default_factory=dict)
+    networks: tuple[str, ...] = ()
+    harness: HarnessConfig = ShellHarness(type="shell")
+
+    @model_validator(mode="after")
+    def _one_image_source(self) -> AgentService:
+        if (self.image is None) == (self.build is None):
+            raise ValueError("declare exactly one of `image` (a reference) or `build` (a context)")
+        return self
+
+
+class AppServices(_Model):
+    agent: AgentService
+
+
+class AppManifest(_Model):
+    name: str = Field(pattern=AGENT_ID_RE)
+    version: str = "0"
+    description: str = ""
+    services: AppServices
+
+
+def _inside(base: Path, rel: str, what: str, source: str) -> Path:
+    p = PurePosixPath(rel)
+    if p.is_absolute() or ".." in p.parts:
+        raise ConfigError(source, what, f"{rel!r} must be a path inside the app directory")
+    return base / p
+
+
+def load_manifest(app_dir: Path) -> AppManifest:
+    path = app_dir / "app.yaml"
+    try:
+        doc = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except FileNotFoundError as exc:
+        raise ConfigError(str(path), "", "no app.yaml in this directory") from exc
+    except yaml.YAMLError as exc:
+        raise ConfigError(str(path), "", f"not valid YAML: {exc}") from exc
+    try:
+        manifest = AppManifest.model_validate(doc)
+    except ValidationError as exc:
+        field, msg = _first_error(exc)
+        raise ConfigError(str(path), field, msg) from exc
+    svc = manifest.services.agent
+    _inside(app_dir, svc.path, "services.agent.path", str(path))
+    if svc.build:
+        _inside(app_dir, svc.build.context, "services.agent.build.context", str(path))
+    return manifest
+
+
+@dataclass(frozen=True, slots=True)
+class InstalledApp:
+    name: str
+    version: str
+    agent: str
+    image: str
+    image_id: str
+    user: str | None
+    environment: Mapping[str, str]
+    networks: tuple[str, ...]
+    isolate_memory: bool
+    disable_archive: bool
+    workspace: Path
+    agent_root: Path
+
+    @staticmethod
+    def load(state_dir: Path, name: str) -> InstalledApp:
+        record = state_dir / "apps" / name / "app.json"
+        try:
+            doc = json.loads(record.read_text(encoding="utf-8"))
+        except FileNotFoundError as exc:
+            raise AppError(name, f"not installed (no {record}); run `cellgate apps install`") from exc
+        agent_root = state_dir / "agents" / doc["agent"]
+        return InstalledApp(
+            name=doc["name"],
+            version=doc["version"],
+            agent=doc["agent"],
+            image=doc["image"],
+            image_id=doc["image_id"],
+            user=doc.get("user"),
+            environment=doc.get("environment", {}),
+            networks=tuple(doc.get("networks", ())),
+            isolate_memory=bool(doc["isolate_memory"]),
+            disable_archive=bool(doc["disable_archive"]),
+            workspace=agent_root / "workspace",
+            agent_root=agent_root,
+        )
+
+
+def _record(app: InstalledApp, manifest: AppManifest) -> dict[str, Any]:
+    return {
+        "name": app.name,
+        "version": app.version,
+        "agent": app.agent,
+        "image": app.image,
+        "image_id": app.image_id,
+        "user": app.user,
+        "environment": dict(app.environment),
+        "networks": list(app.networks),
+        "isolate_memory": app.isolate_memory,
+        "disable_archive": app.disable_archive,
+        "manifest": manifest.model_dump(mode="json"),
+    }
+
+
+def agent_entry(manifest: AppManifest) -> dict[str, Any]:
+    """The app agent's config entry, as the declaration says (L3)."""
+    svc = manifest.services.agent
+    return {
+        "id": svc.name,
+        "app": manifest.name,
+        "isolateMemory": svc.isolate_memory,
+        "disableArchive": svc.disable_archive,
+        "harness": svc.harness.model_dump(by_alias=True),
+    }
+
+
+def write_agent_entry(config_path: Path, entry: dict[str, Any]) -> None:
+    """Insert or reset the app agent's entry in the gateway config file."""
+    doc = read_config_document(config_path)
+    agents = doc.get("agents", [])
+    if not isinstance(agents, list):
+        raise ConfigError(str(config_path), "agents", "must be a list of agent objects")
+    for i, a in enumerate(agents):
+        if isinstance(a, dict) and a.get("id") == entry["id"]:
+            if a.get("app") not in (None, entry["app"]):
+                raise AppError(
+                    entry["app"],
+                    f"agent id {entry['id']!r} already belongs to app {a.get('app')!r}",
+                )
+            merged = {**a, **entry}
+            agents[i] = merged
+            break
+    else:
+        agents.append(entry)
+    doc["agents"] = agents
+    write_config_document(config_path, doc)
+
+
+def install_app(
+    app_dir: Path,
+    config_path: Path,
+    state_dir: Path,
+    docker: Any,
+    progress: Progress,
+    build_args: Mapping[str, str] | None = None,
+) -> InstalledApp:
+    """Install the app in `app_dir`: workspace, image, record, config entry."""
+    app_dir = app_dir.resolve()
+    manifest = load_manifest(app_dir)
+    svc = manifest.services.agent
+    record_dir = state_dir / "apps" / manifest.name
+    if (record_dir / "app.json").exists():
+        raise AppError(manifest.name, "already installed; uninstall it or use an update")
+    agent_root = state_dir / "agents" / svc.name
+    workspace = agent_root / "workspace"
+    if workspace.exists():
+        raise AppError(manifest.name, f"agent workspace {workspace} already exists")
+    template = _inside(app_dir, svc.path, "services.agent.path", str(app_dir / "app.yaml"))
+    if not template.is_dir():
+        raise ConfigError(
+            str(app_dir / "app.yaml"), "services.agent.path", f"{template} is not a directory"
+        )
+
+    if svc.build is not None:
+        tag = f"cellgate-app-{manifest.name}:{manifest.version}"
+        progress(f"building image {tag} for app {manifest.name}")
+        context = _inside(app_dir, svc.build.context, "services.agent.build.context", "app.yaml")
+        args = {**svc.build.args, **(build_args or {})}
+        ref, iid = tag, build_image(docker, context, svc.build.dockerfile, tag, args, progress)
+    else:
+        assert svc.image is not None
+        progress(f"checking image {svc.image}")
+        ref, iid = svc.image, image_id(docker, svc.image)
+
+    agent_root.mkdir(parents=True, exist_ok=True)
+    shutil.copytree(template, workspace, symlinks=True)
+    app = InstalledApp(
+        name=manifest.name,
+        version=manifest.version,
+        agent=svc.name,
+        image=ref,
+        image_id=iid,
+        user=svc.user,
+        environment=dict(svc.environment),
+        networks=svc.networks,
+        isolate_memory=svc.isolate_memory,
+        disable_archive=svc.disable_archive,
+        workspace=workspace,
+        agent_root=agent_root,
+    )
+    record_dir.mkdir(parents=True, exist_ok=True)
+    shutil.copy2(app_dir / "app.yaml", record_dir / "app.yaml")
+    tmp = record_dir / ".app.json.tmp"
+    tmp.write_text(json.dumps(_record(app, manifest), indent=2) + "\n", encoding="utf-8")
+    tmp.replace(record_dir / "app.json")
+    write_agent_entry(config_path, agent_entry(manifest))
+    logger.info("installed app %s (agent %s, image %s)", app.name, app.agent, ref)
+    return app

@@ -1,0 +1,211 @@
+"""The gateway config file (JSON, as the seed's `config.json`), validated once at load.
+
+A malformed file, or a bad `gateway` section, stops start-up with the file and
+the field path. A bad entry in `agents[]` is skipped with a logged reason that
+names the file, the agent and the field (L1, L2); the other agents still load.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SecretStr,
+    StrictBool,
+    ValidationError,
+    field_validator,
+)
+
+from orchestrator.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+AGENT_ID_RE = r"^[a-z0-9][a-z0-9-]{0,39}$"
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+
+class Listen(_Model):
+    host: str = "127.0.0.1"
+    port: int = Field(8787, ge=0, le=65535)
+
+
+class Limits(_Model):
+    pids: int = Field(128, ge=16, le=65536)
+    memory_mb: int = Field(512, alias="memoryMb", ge=32, le=65536)
+    cpus: float = Field(1.0, gt=0, le=64)
+
+
+class MemorySettings(_Model):
+    memory_budget_chars: int = Field(8000, alias="memoryBudgetChars", ge=0)
+    user_budget_chars: int = Field(3000, alias="userBudgetChars", ge=0)
+    over_budget: str = Field("warn", alias="overBudget")
+
+    @field_validator("over_budget")
+    @classmethod
+    def _unknown_falls_back(cls, v: str) -> str:
+        return v if v in ("warn", "error") else "warn"
+
+
+class GatewaySettings(_Model):
+    state_dir: Path = Field(Path("~/.cellgate"), alias="stateDir")
+    listen: Listen = Listen()
+    sandbox_idle_minutes: float = Field(30, alias="sandboxIdleMinutes", gt=0)
+    runtime: str | None = None
+    limits: Limits = Limits()
+    memory: MemorySettings = MemorySettings()
+    turn_timeout_seconds: float = Field(120, alias="turnTimeoutSeconds", gt=0)
+    max_concurrent_turns: int = Field(8, alias="maxConcurrentTurns", ge=1, le=1024)
+    base_image: str | None = Field(None, alias="baseImage")
+
+
+class ShellHarness(_Model):
+    """Runs the message text with `/bin/sh -c` in the sandbox; replies with its output (H2)."""
+
+    type: Literal["shell"]
+    timeout_seconds: float = Field(60, alias="timeoutSeconds", gt=0)
+
+
+HarnessConfig = Annotated[ShellHarness, Field(discriminator="type")]
+
+
+class ClaudeSettings(_Model):
+    extra_flags: tuple[str, ...] = Field((), alias="extraFlags")
+
+    @field_validator("extra_flags")
+    @classmethod
+    def _no_append_file(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        if any(f == "--append-system-prompt-file" or f.startswith("--append-system-prompt-file=")
+               for f in v):
+            raise ValueError(
+                "--append-system-prompt-file would replace the conversation's memory (Claude "
+                "Code keeps only the last such flag); use --append-system-prompt or move the "
+                "text into AGENTS.md (L2)"
+            )
+        return v
+
+
+class AgentConfig(_Model):
+    id: str = Field(pattern=AGENT_ID_RE)
+    isolate_memory: StrictBool = Field(False, alias="isolateMemory")
+    disable_archive: StrictBool = Field(False, alias="disableArchive")
+    app: str | None = Field(None, pattern=AGENT_ID_RE)
+    workspace: Path | None = None
+    harness: HarnessConfig = ShellHarness(type="shell")
+    claude: ClaudeSettings = ClaudeSettings()
+
+
+class ApiKeyConfig(_Model):
+    """A key written in the config file: for first runs; `cellgate keys create` is the way."""
+
+    name: str
+    key: SecretStr = Field(min_length=16)
+    agents: tuple[str, ...] = ("*",)
+    admin: StrictBool = False
+    write: StrictBool = True
+
+
+class GatewayConfig(_Model):
+    gateway: GatewaySettings = GatewaySettings()
+    api_keys: tuple[ApiKeyConfig, ...] = Field((), alias="apiKeys")
+    agents: tuple[AgentConfig, ...] = ()
+    skipped_agents: tuple[str, ...] = Field((), exclude=True)
+
+    def agent(self, agent_id: str) -> AgentConfig | None:
+        return next((a for a in self.agents if a.id == agent_id), None)
+
+
+def _field_path(loc: tuple[int | str, ...]) -> str:
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out
+
+
+def _first_error(exc: ValidationError) -> tuple[str, str]:
+    err = exc.errors()[0]
+    msg = err["msg"]
+    if err["type"] == "bool_type":
+        msg = f"must be true or false (got {err['input']!r})"
+    return _field_path(tuple(err["loc"])), msg
+
+
+def read_config_document(path: Path) -> dict[str, Any]:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError as exc:
+        raise ConfigError(str(path), "", "file not found; create it or pass --config") from exc
+    except OSError as exc:
+        raise ConfigError(str(path), "", f"cannot read: {exc.strerror}") from exc
+    try:
+        doc = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(
+            str(path), f"line {exc.lineno} column {exc.colno}", f"not valid JSON: {exc.msg}"
+        ) from exc
+    if not isinstance(doc, dict):
+        raise ConfigError(str(path), "", "the top level must be a JSON object")
+    return doc
+
+
+def parse_config(doc: dict[str, Any], source: str) -> GatewayConfig:
+    """Validate a config document; skip bad agents with a logged reason."""
+    raw_agents = doc.get("agents", [])
+    if not isinstance(raw_agents, list):
+        raise ConfigError(source, "agents", "must be a list of agent objects")
+    rest = {k: v for k, v in doc.items() if k != "agents"}
+    try:
+        base = GatewayConfig.model_validate(rest)
+    except ValidationError as exc:
+        field, msg = _first_error(exc)
+        raise ConfigError(source, field, msg) from exc
+    agents: list[AgentConfig] = []
+    skipped: list[str] = []
+    seen: set[str] = set()
+    for i, raw in enumerate(raw_agents):
+        name = raw.get("id", f"#{i}") if isinstance(raw, dict) else f"#{i}"
+        try:
+            agent = AgentConfig.model_validate(raw)
+        except ValidationError as exc:
+            field, msg = _first_error(exc)
+            reason = f"{source}: agents[{i}] ({name}): {field}: {msg}; agent skipped"
+            logger.error("%s", reason)
+            skipped.append(reason)
+            continue
+        if agent.id in seen:
+            reason = f"{source}: agents[{i}] ({name}): id: duplicate agent id; agent skipped"
+            logger.error("%s", reason)
+            skipped.append(reason)
+            continue
+        seen.add(agent.id)
+        agents.append(agent)
+    return base.model_copy(update={"agents": tuple(agents), "skipped_agents": tuple(skipped)})
+
+
+def load_config(path: Path) -> GatewayConfig:
+    cfg = parse_config(read_config_document(path), str(path))
+    state = cfg.gateway.state_dir.expanduser()
+    if not state.is_absolute():
+        state = (path.parent / state).resolve()
+    gw = cfg.gateway.model_copy(update={"state_dir": state})
+    return cfg.model_copy(update={"gateway": gw})
+
+
+def write_config_document(path: Path, doc: dict[str, Any]) -> None:
+    """Write atomically: a crash never leaves half a config."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")
+    tmp.replace(path)
+
+
+def is_valid_agent_id(value: str) -> bool:
+    return re.fullmatch(AGENT_ID_RE, value) is not None

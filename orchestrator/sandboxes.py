@@ -1,0 +1,125 @@
+"""From a conversation to its verified sandbox (S1-S4, K1).
+
+`ConversationSandboxes.ensure` creates the conversation's directories, plans
+its mounts from the workspace as it is now, builds the spec (image, user,
+environment without secrets, networks, limits) and asks the backend for a
+container matching it, verified.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from orchestrator.apps import InstalledApp
+from orchestrator.config import GatewaySettings
+from orchestrator.conversations import (
+    ConversationKey,
+    ConversationPaths,
+    conversation_paths,
+    ensure_conversation,
+)
+from policies.secrets import env_entry
+from sandbox.backends.base import ImageFacts, SandboxBackend, SandboxHandle
+from sandbox.mountplan import own_dirs, plan_mounts, scan_workspace
+from sandbox.spec import DEFAULT_UID, SandboxLimits, SandboxSpec, sandbox_name
+
+logger = logging.getLogger(__name__)
+
+
+def sandbox_user(declared: str | None, image_user: str) -> str:
+    """The app's user, unless it is root or not numeric: then a fixed unprivileged uid."""
+    for candidate in (declared, image_user):
+        if not candidate:
+            continue
+        uid, _, gid = candidate.partition(":")
+        if uid.isdigit() and uid != "0" and (not gid or gid.isdigit()):
+            return f"{uid}:{gid or uid}"
+    return f"{DEFAULT_UID}:{DEFAULT_UID}"
+
+
+def sandbox_env(image_env: Mapping[str, str], app_env: Mapping[str, str]) -> dict[str, str]:
+    """The app's environment minus every secret (K1).
+
+    Image ENV entries are applied by the engine whatever the container asks,
+    so a secret-looking one is overridden with an empty value.
+    """
+    out: dict[str, str] = {}
+    for name, value in {**image_env, **app_env}.items():
+        if env_entry(name, value).allowed:
+            out[name] = value
+        elif name in image_env:
+            out[name] = ""
+    return out
+
+
+def limits_from(settings: GatewaySettings) -> SandboxLimits:
+    lim = settings.limits
+    return SandboxLimits(
+        pids=lim.pids,
+        memory_bytes=lim.memory_mb * 1024 * 1024,
+        nano_cpus=int(lim.cpus * 1_000_000_000),
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class PreparedSandbox:
+    spec: SandboxSpec
+    paths: ConversationPaths
+    handle: SandboxHandle
+
+
+class ConversationSandboxes:
+    """Ensures the sandbox of each conversation of one app agent."""
+
+    def __init__(
+        self, app: InstalledApp, settings: GatewaySettings, backend: SandboxBackend
+    ) -> None:
+        self.app = app
+        self.settings = settings
+        self.backend = backend
+        self._image: ImageFacts | None = None
+
+    async def image(self) -> ImageFacts:
+        if self._image is None:
+            self._image = await self.backend.image_facts(self.app.image_id)
+        return self._image
+
+    def session_id(self, key: ConversationKey) -> str:
+        """The conversation's current session (one per conversation until a reset)."""
+        return f"s-{key.digest[:12]}"
+
+    async def spec_for(self, key: ConversationKey) -> tuple[SandboxSpec, ConversationPaths]:
+        image = await self.image()
+        user = sandbox_user(self.app.user, image.user)
+        uid, gid = (int(x) for x in user.split(":"))
+        paths = conversation_paths(self.app.agent_root, self.app.workspace, key, self.session_id(key))
+
+        def prepare() -> SandboxSpec:
+            ensure_conversation(paths, uid, gid)
+            snap = scan_workspace(paths.workspace)
+            own = own_dirs(paths.chat_dir, paths.media_dir, paths.home_dir, paths.bridge_dir)
+            return SandboxSpec(
+                name=sandbox_name(self.app.name, key.digest),
+                image=self.app.image,
+                image_id=image.id,
+                user=user,
+                env=sandbox_env(image.env, self.app.environment),
+                networks=self.app.networks,
+                plan=plan_mounts(snap, own),
+                limits=limits_from(self.settings),
+                runtime=self.settings.runtime,
+                app=self.app.name,
+                agent=self.app.agent,
+                conversation=key.digest,
+            )
+
+        return await asyncio.to_thread(prepare), paths
+
+    async def ensure(self, key: ConversationKey) -> PreparedSandbox:
+        spec, paths = await self.spec_for(key)
+        handle = await self.backend.ensure(spec)
+        logger.debug("sandbox %s ready", handle.name, extra={"conversation": key.digest})
+        return PreparedSandbox(spec, paths, handle)
