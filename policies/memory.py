@@ -1,0 +1,132 @@
+"""Memory writes and memory budgets of a conversation (M6, M7, M8, A2).
+
+- M6 `memory_target`: `task_memory_append` writes `MEMORY.md` (the default)
+  or `USER.md` under the conversation's `chats/` directory, named exactly so;
+  `memory/<topic>.md` and every other path are refused.
+- M8 `memory_content`: a write carrying a likely API key, token, password
+  or private key is refused; nothing secret enters long-term memory.
+- M7 `budget_banner`: the banner put above an over-budget file in the
+  composed CLAUDE.md; the file on disk is never rewritten.
+- A2/T2 `archive_index`: whether the memory archive (kb.sqlite) is built and read.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from policies.base import Decision, allow, deny
+from policies.secrets import secret_in_text
+
+__all__ = [
+    "DEFAULT_TARGET",
+    "MemoryFile",
+    "archive_index",
+    "budget_banner",
+    "memory_content",
+    "memory_file_for",
+    "memory_target",
+]
+
+MemoryFile = Literal["MEMORY.md", "USER.md"]
+DEFAULT_TARGET: MemoryFile = "MEMORY.md"
+_FILES: dict[str, MemoryFile] = {"MEMORY.md": "MEMORY.md", "USER.md": "USER.md"}
+_USE = "use target 'MEMORY.md' (the default) or 'USER.md'"
+
+
+def _show(text: str) -> str:
+    return repr(text if len(text) <= 80 else text[:80] + "…")
+
+
+def memory_target(target: str | None) -> Decision:
+    """M6: may `task_memory_append` write to `target` (None or "" means MEMORY.md)?
+
+    Names are matched exactly: `memory.md`, `./MEMORY.md` or a full path are refused.
+    """
+    if not target:
+        return allow("M6", f"writes {DEFAULT_TARGET}")
+    if target in _FILES:
+        return allow("M6", f"writes {target}")
+    parts = target.replace("\\", "/").split("/")
+    if "\0" in target or ".." in parts or target.startswith(("/", "\\", "~")):
+        return deny(
+            "M6",
+            f"{_show(target)} leaves this conversation's memory; {_USE}",
+        )
+    if parts[0].lower() == "memory" and len(parts) > 1:
+        return deny(
+            "M6",
+            f"{_show(target)} refused: notes under memory/ would never be injected or "
+            f"searchable for this conversation; {_USE}",
+        )
+    if target.upper() in _FILES:
+        return deny("M6", f"{_show(target)} refused: names are exact; use {target.upper()!r}")
+    return deny("M6", f"{_show(target)} is not a memory file of this conversation; {_USE}")
+
+
+def memory_file_for(target: str | None) -> MemoryFile | None:
+    """The file an allowed `target` writes, or None when `memory_target` refuses it."""
+    if not memory_target(target).allowed:
+        return None
+    return _FILES[target] if target else DEFAULT_TARGET
+
+
+def memory_content(text: str) -> Decision:
+    """M8: may `text` be written to long-term memory?"""
+    kind = secret_in_text(text)
+    if kind is not None:
+        return deny(
+            "M8",
+            f"memory write refused: it seems to contain {kind}, and nothing secret may enter "
+            "long-term memory; write a note without the value (e.g. 'the user keeps the key "
+            "in their password manager') and try again",
+        )
+    return allow("M8")
+
+
+def budget_banner(
+    kind: Literal["memory", "user"], chars: int, budget: int, severity: str
+) -> str | None:
+    """M7: the banner for a memory file of `chars` characters, or None when within budget.
+
+    A budget of 0 (or less) disables the check. `severity` is `warn` or `error`;
+    any other value falls back to `warn`.
+    """
+    if kind == "memory":
+        name, what = "MEMORY.md", "long-term memory"
+    elif kind == "user":
+        name, what = "USER.md", "user profile"
+    else:
+        raise ValueError(f"unknown memory file kind {kind!r}: use 'memory' or 'user'")
+    if budget <= 0 or chars <= budget:
+        return None
+    over = chars - budget
+    if severity == "error":
+        return (
+            f"🛑 OVER BUDGET: {name} ({what}) is {chars:,} characters, {over:,} over its "
+            f"budget of {budget:,}. Before adding anything else, consolidate it now: merge "
+            "duplicates, drop stale or finished entries and shorten the rest until it is "
+            "under budget."
+        )
+    return (
+        f"⚠️ {name} ({what}) is {chars:,} characters, over its soft budget of {budget:,}. "
+        "Consolidate it soon: merge duplicates and drop stale entries."
+    )
+
+
+def archive_index(agent_isolated: bool, archive_disabled: bool) -> Decision:
+    """A2/T2: may the memory archive (kb.sqlite) be indexed at spawn and searched?
+
+    An existing kb.sqlite is left on disk either way; a refusal means it is not read.
+    """
+    if agent_isolated:
+        return deny(
+            "T2",
+            "the memory archive is one index over every conversation, so an isolated agent "
+            "neither builds nor reads it",
+        )
+    if archive_disabled:
+        return deny(
+            "A2",
+            "the memory archive is turned off (disableArchive); kb.sqlite is not built or read",
+        )
+    return allow("A1")
