@@ -1,0 +1,47 @@
+"""What every part of the store shares: the database, the clock, row helpers."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sqlite3
+import time
+from collections.abc import Callable
+from typing import Any
+
+from orchestrator.errors import NotFound, StateConflict
+from orchestrator.store.db import Database
+
+Clock = Callable[[], float]
+
+
+class StoreBase:
+    def __init__(self, db: Database, clock: Clock = time.time) -> None:
+        self._db = db
+        self._clock = clock
+
+    def _now(self) -> float:
+        return float(self._clock())
+
+
+def sha256_hex(secret: str) -> str:
+    return hashlib.sha256(secret.encode("utf-8")).hexdigest()
+
+
+def dumps(value: Any) -> str:
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":"), sort_keys=True)
+
+
+def conflict(
+    conn: sqlite3.Connection,
+    *,
+    kind: str,
+    sql: str,
+    key: object,
+    expected: str,
+) -> NotFound | StateConflict:
+    """Explain why a guarded UPDATE changed nothing; `sql` selects the actual state by key."""
+    row = conn.execute(sql, (key,)).fetchone()
+    if row is None:
+        return NotFound(kind, key)
+    return StateConflict(kind, key, expected, str(row[0]))

@@ -1,0 +1,169 @@
+"""One SQLite file in WAL mode, one connection per thread.
+
+Thread model: every thread that touches the store gets its own connection
+(`threading.local`), so WAL readers never wait for a writer and no Python
+lock is held across an fsync. Writers are serialised by SQLite itself: every
+write transaction starts with `BEGIN IMMEDIATE`, which takes the write lock
+up front (waiting up to `busy_timeout`), so a read-then-write transaction can
+never fail half-way with SQLITE_BUSY. Connections are opened with
+`check_same_thread=False` only so that `close()` can close them all from one
+thread; each is used by the thread that opened it and no other.
+
+Durability: `synchronous=FULL`. In WAL mode NORMAL already survives a SIGKILL
+of the gateway (a committed transaction is in the WAL, in the OS page cache);
+FULL also survives a power cut or kernel crash, because the WAL is fsynced
+at every commit. cellgate acknowledges an inbound event to the platform right
+after `accept_message` commits, and the platform will not send it again, so
+the commit must be on disk before that acknowledgement (D1).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sqlite3
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from orchestrator.errors import StoreError
+from orchestrator.store.schema import MIGRATIONS, SCHEMA_VERSION
+
+logger = logging.getLogger(__name__)
+
+DB_FILE = "cellgate.sqlite3"
+BUSY_TIMEOUT_MS = 10_000
+_MIN_SQLITE = (3, 37, 0)  # STRICT tables (3.37), RETURNING (3.35)
+
+
+class Database:
+    """Connections, transactions and migrations for one database file."""
+
+    def __init__(self, path: Path, *, busy_timeout_ms: int = BUSY_TIMEOUT_MS) -> None:
+        if sqlite3.sqlite_version_info < _MIN_SQLITE:
+            raise StoreError(
+                f"SQLite {sqlite3.sqlite_version} is too old; cellgate needs "
+                f"{'.'.join(map(str, _MIN_SQLITE))} or newer (use Python built against it)"
+            )
+        self.path = path
+        self._busy_timeout_ms = busy_timeout_ms
+        self._local = threading.local()
+        self._lock = threading.Lock()
+        self._conns: dict[int, tuple[threading.Thread, sqlite3.Connection]] = {}
+        self._closed = False
+        self._create_file()
+        self._migrate()
+
+    def _create_file(self) -> None:
+        """Create the file 0600 before SQLite does: it holds key and share hashes."""
+        self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        try:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        except OSError as exc:
+            raise StoreError(f"cannot open the state database {self.path}: {exc}") from exc
+        os.close(fd)
+
+    def connection(self) -> sqlite3.Connection:
+        """This thread's connection, opened on first use."""
+        conn: sqlite3.Connection | None = getattr(self._local, "conn", None)
+        if conn is not None:
+            return conn
+        if self._closed:
+            raise StoreError(f"the state database {self.path} is closed")
+        conn = self._open()
+        self._local.conn = conn
+        me = threading.current_thread()
+        with self._lock:
+            self._reap_dead_threads()
+            self._conns[id(conn)] = (me, conn)
+        return conn
+
+    def _open(self) -> sqlite3.Connection:
+        try:
+            conn = sqlite3.connect(
+                self.path,
+                timeout=self._busy_timeout_ms / 1000,
+                isolation_level=None,  # we issue BEGIN/COMMIT ourselves
+                check_same_thread=False,
+            )
+            conn.row_factory = sqlite3.Row
+            conn.execute(f"PRAGMA busy_timeout = {int(self._busy_timeout_ms)}")
+            mode = conn.execute("PRAGMA journal_mode = WAL").fetchone()[0]
+            if mode != "wal":
+                conn.close()
+                raise StoreError(
+                    f"{self.path} cannot use WAL mode (got {mode!r}); put the state "
+                    "directory on a local filesystem, not a network share"
+                )
+            conn.execute("PRAGMA synchronous = FULL")
+            conn.execute("PRAGMA foreign_keys = ON")
+        except sqlite3.Error as exc:
+            raise StoreError(f"cannot open the state database {self.path}: {exc}") from exc
+        return conn
+
+    def _reap_dead_threads(self) -> None:
+        """Close connections whose thread has ended (thread pools come and go)."""
+        for key, (thread, conn) in list(self._conns.items()):
+            if not thread.is_alive():
+                conn.close()
+                del self._conns[key]
+
+    def _migrate(self) -> None:
+        with self.write() as c:
+            version: int = c.execute("PRAGMA user_version").fetchone()[0]
+            if version > SCHEMA_VERSION:
+                raise StoreError(
+                    f"{self.path} has schema version {version}, newer than this cellgate "
+                    f"knows ({SCHEMA_VERSION}); upgrade cellgate or restore an older backup"
+                )
+            for number in range(version + 1, SCHEMA_VERSION + 1):
+                for statement in MIGRATIONS[number - 1]:
+                    c.execute(statement)
+                c.execute(f"PRAGMA user_version = {number}")
+                logger.info("state database %s migrated to version %d", self.path, number)
+
+    @contextmanager
+    def write(self) -> Iterator[sqlite3.Connection]:
+        """One write transaction: `BEGIN IMMEDIATE`, COMMIT on success, ROLLBACK on error."""
+        conn = self.connection()
+        try:
+            conn.execute("BEGIN IMMEDIATE")
+        except sqlite3.Error as exc:
+            raise StoreError(f"cannot start a write on {self.path}: {exc}") from exc
+        try:
+            yield conn
+        except sqlite3.Error as exc:
+            conn.execute("ROLLBACK")
+            raise StoreError(f"write to {self.path} failed: {exc}") from exc
+        except BaseException:
+            conn.execute("ROLLBACK")
+            raise
+        try:
+            conn.execute("COMMIT")
+        except sqlite3.Error as exc:
+            if conn.in_transaction:
+                conn.execute("ROLLBACK")
+            raise StoreError(f"commit to {self.path} failed: {exc}") from exc
+
+    @contextmanager
+    def read(self) -> Iterator[sqlite3.Connection]:
+        """One read transaction: every statement inside sees the same snapshot."""
+        conn = self.connection()
+        try:
+            conn.execute("BEGIN")
+            try:
+                yield conn
+            finally:
+                conn.execute("COMMIT")
+        except sqlite3.Error as exc:
+            raise StoreError(f"read from {self.path} failed: {exc}") from exc
+
+    def close(self) -> None:
+        """Close every thread's connection; the store cannot be used afterwards."""
+        with self._lock:
+            self._closed = True
+            for _thread, conn in self._conns.values():
+                conn.close()
+            self._conns.clear()
+        self._local = threading.local()

@@ -1,0 +1,157 @@
+"""The schema, as a list of migrations; `PRAGMA user_version` is how many have run.
+
+Append a new tuple to change the schema; never edit one that has shipped.
+Each migration is a tuple of single statements, run inside one
+`BEGIN IMMEDIATE` transaction together with the version bump, so two
+processes opening a fresh file cannot both apply it.
+"""
+
+from __future__ import annotations
+
+_V1 = (
+    """
+    CREATE TABLE conversations (
+        id             TEXT PRIMARY KEY,
+        agent          TEXT NOT NULL,
+        channel        TEXT NOT NULL,
+        chat_id        TEXT NOT NULL,
+        dir_name       TEXT NOT NULL,
+        created_at     REAL NOT NULL,
+        last_active_at REAL NOT NULL,
+        UNIQUE (agent, channel, chat_id)
+    ) STRICT
+    """,
+    """
+    CREATE TABLE messages (
+        id                  INTEGER PRIMARY KEY AUTOINCREMENT,
+        conversation_id     TEXT NOT NULL REFERENCES conversations (id),
+        platform_message_id TEXT NOT NULL,
+        sender              TEXT NOT NULL,
+        text                TEXT NOT NULL,
+        attachments         TEXT NOT NULL DEFAULT '[]',
+        received_at         REAL NOT NULL,
+        state               TEXT NOT NULL CHECK (state IN
+                              ('accepted', 'running', 'replied', 'delivered', 'failed')),
+        attempts            INTEGER NOT NULL DEFAULT 0,
+        error               TEXT,
+        updated_at          REAL NOT NULL,
+        UNIQUE (conversation_id, platform_message_id)
+    ) STRICT
+    """,
+    "CREATE INDEX messages_pending ON messages (state, id)",
+    """
+    CREATE TABLE replies (
+        id              INTEGER PRIMARY KEY AUTOINCREMENT,
+        message_id      INTEGER NOT NULL UNIQUE REFERENCES messages (id),
+        conversation_id TEXT NOT NULL REFERENCES conversations (id),
+        outbound_key    TEXT NOT NULL UNIQUE,
+        text            TEXT NOT NULL,
+        created_at      REAL NOT NULL,
+        delivered_at    REAL
+    ) STRICT
+    """,
+    """
+    CREATE TABLE sessions (
+        id                 TEXT PRIMARY KEY,
+        conversation_id    TEXT NOT NULL REFERENCES conversations (id),
+        harness            TEXT NOT NULL,
+        harness_session_id TEXT,
+        state              TEXT NOT NULL CHECK (state IN ('live', 'ended')),
+        started_at         REAL NOT NULL,
+        last_active_at     REAL NOT NULL,
+        ended_at           REAL
+    ) STRICT
+    """,
+    "CREATE INDEX sessions_by_conversation ON sessions (conversation_id, state)",
+    """
+    CREATE TABLE turns (
+        id              INTEGER PRIMARY KEY AUTOINCREMENT,
+        session_id      TEXT NOT NULL REFERENCES sessions (id),
+        message_id      INTEGER REFERENCES messages (id),
+        harness_turn_id TEXT,
+        ok              INTEGER CHECK (ok IN (0, 1)),
+        started_at      REAL NOT NULL,
+        finished_at     REAL
+    ) STRICT
+    """,
+    "CREATE INDEX turns_open ON turns (session_id) WHERE finished_at IS NULL",
+    """
+    CREATE TABLE sandboxes (
+        name            TEXT PRIMARY KEY,
+        conversation_id TEXT NOT NULL REFERENCES conversations (id),
+        app             TEXT NOT NULL,
+        agent           TEXT NOT NULL,
+        spec_hash       TEXT NOT NULL,
+        state           TEXT NOT NULL CHECK (state IN ('created', 'running', 'stopped')),
+        created_at      REAL NOT NULL,
+        last_used_at    REAL NOT NULL
+    ) STRICT
+    """,
+    """
+    CREATE TABLE shares (
+        id              TEXT PRIMARY KEY,
+        token_sha256    TEXT NOT NULL UNIQUE,
+        session_id      TEXT NOT NULL REFERENCES sessions (id),
+        conversation_id TEXT NOT NULL REFERENCES conversations (id),
+        path            TEXT NOT NULL,
+        created_at      REAL NOT NULL,
+        revoked_at      REAL,
+        revoked_by      TEXT
+    ) STRICT
+    """,
+    """
+    CREATE TABLE attachments (
+        seq             INTEGER PRIMARY KEY AUTOINCREMENT,
+        conversation_id TEXT NOT NULL REFERENCES conversations (id),
+        platform        TEXT NOT NULL,
+        file_id         TEXT NOT NULL,
+        delivered_at    REAL NOT NULL,
+        UNIQUE (conversation_id, platform, file_id)
+    ) STRICT
+    """,
+    """
+    CREATE TABLE cron_jobs (
+        id          TEXT PRIMARY KEY,
+        agent       TEXT NOT NULL,
+        type        TEXT NOT NULL CHECK (type IN ('prompt', 'command')),
+        schedule    TEXT NOT NULL,
+        payload     TEXT NOT NULL,
+        one_shot    INTEGER NOT NULL CHECK (one_shot IN (0, 1)),
+        enabled     INTEGER NOT NULL CHECK (enabled IN (0, 1)),
+        created_at  REAL NOT NULL,
+        last_run_at REAL
+    ) STRICT
+    """,
+    """
+    CREATE TABLE api_keys (
+        id           TEXT PRIMARY KEY,
+        name         TEXT NOT NULL,
+        key_sha256   TEXT NOT NULL UNIQUE,
+        prefix       TEXT NOT NULL,
+        agents       TEXT NOT NULL,
+        admin        INTEGER NOT NULL CHECK (admin IN (0, 1)),
+        write        INTEGER NOT NULL CHECK (write IN (0, 1)),
+        created_at   REAL NOT NULL,
+        last_used_at REAL,
+        revoked_at   REAL
+    ) STRICT
+    """,
+    # No foreign keys on purpose: a refusal must be recorded even when the
+    # conversation or session it names is unknown to the store.
+    """
+    CREATE TABLE refusals (
+        id              INTEGER PRIMARY KEY AUTOINCREMENT,
+        at              REAL NOT NULL,
+        conversation_id TEXT,
+        session_id      TEXT,
+        rule            TEXT NOT NULL,
+        action          TEXT NOT NULL,
+        reason          TEXT NOT NULL,
+        detail          TEXT NOT NULL DEFAULT '{}'
+    ) STRICT
+    """,
+    "CREATE INDEX refusals_by_conversation ON refusals (conversation_id, id)",
+)
+
+MIGRATIONS: tuple[tuple[str, ...], ...] = (_V1,)
+SCHEMA_VERSION = len(MIGRATIONS)
