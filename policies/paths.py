@@ -96,7 +96,7 @@ def decide(facts: FileFacts) -> Decision:
     if not media.startswith("/") or "\0" in media or ".." in media.split("/"):
         return deny("P5", "the media directory is not an absolute resolved path; nothing is sent")
     refused = _lexical(facts.requested, "the file path")
-    if refused:
+    if refused is not None:
         return refused
     shown = _show(facts.requested)
     if facts.requested.startswith("/") and not _inside(facts.requested, media):
@@ -134,7 +134,7 @@ def normalize_request(path: str, media_dir_in_sandbox: str) -> str | Decision:
     if not media_dir_in_sandbox.startswith("/"):
         return deny("P5", "the sandbox media directory is not absolute; nothing is sent")
     refused = _lexical(path, "the file path")
-    if refused:
+    if refused is not None:
         return refused
     parts = _parts(path)
     if path.startswith("/"):
