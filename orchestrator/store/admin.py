@@ -108,7 +108,7 @@ class AdminMixin(ResourcesMixin):
         """Read only: listing never touches a row, so a skipped job stays as it was (C1)."""
         with self._db.read() as c:
             rows = c.execute(
-                "SELECT * FROM cron_jobs WHERE ?1 IS NULL OR agent = ?1 ORDER BY created_at, id",
+                "SELECT * FROM cron_jobs WHERE ?1 IS NULL OR agent = ?1 ORDER BY created_at, rowid",
                 (agent,),
             ).fetchall()
         return [_cron(r) for r in rows]
@@ -214,7 +214,7 @@ class AdminMixin(ResourcesMixin):
     def list_keys(self, *, include_revoked: bool = True) -> list[ApiKey]:
         with self._db.read() as c:
             rows = c.execute(
-                "SELECT * FROM api_keys WHERE ? OR revoked_at IS NULL ORDER BY created_at, id",
+                "SELECT * FROM api_keys WHERE ? OR revoked_at IS NULL ORDER BY created_at, rowid",
                 (int(include_revoked),),
             ).fetchall()
         return [_key(r) for r in rows]

@@ -120,7 +120,7 @@ class MessagesMixin(StoreBase):
         with self._db.read() as c:
             rows = c.execute(
                 "SELECT * FROM conversations WHERE ?1 IS NULL OR agent = ?1"
-                " ORDER BY created_at, id",
+                " ORDER BY created_at, rowid",
                 (agent,),
             ).fetchall()
         return [_conversation(r) for r in rows]

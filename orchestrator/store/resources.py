@@ -168,7 +168,7 @@ class ResourcesMixin(SessionsMixin):
         with self._db.read() as c:
             rows = c.execute(
                 "SELECT * FROM shares WHERE (?1 IS NULL OR conversation_id = ?1)"
-                " AND (?2 OR revoked_at IS NULL) ORDER BY created_at, id",
+                " AND (?2 OR revoked_at IS NULL) ORDER BY created_at, rowid",
                 (conversation, int(include_revoked)),
             ).fetchall()
         return [_share(r) for r in rows]

@@ -132,7 +132,7 @@ class SessionsMixin(MessagesMixin):
         with self._db.read() as c:
             rows = c.execute(
                 f"{_SESSION_SELECT} WHERE s.state = 'live' AND (?1 IS NULL OR c.agent = ?1)"
-                " AND (?2 IS NULL OR s.conversation_id = ?2) ORDER BY s.started_at, s.id",
+                " AND (?2 IS NULL OR s.conversation_id = ?2) ORDER BY s.started_at, s.rowid",
                 (agent, conversation),
             ).fetchall()
         return [_session(r) for r in rows]
