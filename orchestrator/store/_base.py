@@ -24,6 +24,15 @@ class StoreBase:
         return float(self._clock())
 
 
+def ts(value: Any) -> float:
+    """A timestamp column as float: `RETURNING` hands back a whole REAL as an int."""
+    return float(value)
+
+
+def opt_ts(value: Any) -> float | None:
+    return None if value is None else float(value)
+
+
 def sha256_hex(secret: str) -> str:
     return hashlib.sha256(secret.encode("utf-8")).hexdigest()
 

@@ -17,7 +17,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from orchestrator.errors import NotFound, StateConflict, StoreError
-from orchestrator.store._base import conflict, dumps, sha256_hex
+from orchestrator.store._base import conflict, dumps, opt_ts, sha256_hex, ts
 from orchestrator.store.models import (
     ApiKey,
     ConversationId,
@@ -44,8 +44,8 @@ def _cron(row: sqlite3.Row) -> CronJob:
         payload=row["payload"],
         one_shot=bool(row["one_shot"]),
         enabled=bool(row["enabled"]),
-        created_at=row["created_at"],
-        last_run_at=row["last_run_at"],
+        created_at=ts(row["created_at"]),
+        last_run_at=opt_ts(row["last_run_at"]),
     )
 
 
@@ -57,9 +57,9 @@ def _key(row: sqlite3.Row) -> ApiKey:
         agents=tuple(json.loads(row["agents"])),
         admin=bool(row["admin"]),
         write=bool(row["write"]),
-        created_at=row["created_at"],
-        last_used_at=row["last_used_at"],
-        revoked_at=row["revoked_at"],
+        created_at=ts(row["created_at"]),
+        last_used_at=ts(row["last_used_at"]),
+        revoked_at=opt_ts(row["revoked_at"]),
     )
 
 
@@ -67,7 +67,7 @@ def _refusal(row: sqlite3.Row) -> Refusal:
     conv, sess = row["conversation_id"], row["session_id"]
     return Refusal(
         id=row["id"],
-        at=row["at"],
+        at=ts(row["at"]),
         conversation_id=None if conv is None else ConversationId(conv),
         session_id=None if sess is None else SessionId(sess),
         rule=row["rule"],

@@ -26,7 +26,7 @@ from collections.abc import Sequence
 
 from orchestrator.conversations import ConversationKey
 from orchestrator.errors import NotFound, StateConflict, StoreError
-from orchestrator.store._base import StoreBase, conflict, dumps
+from orchestrator.store._base import StoreBase, conflict, dumps, opt_ts, ts
 from orchestrator.store.models import (
     MESSAGE_EDGES,
     PENDING_STATES,
@@ -61,8 +61,8 @@ def _conversation(row: sqlite3.Row) -> Conversation:
         channel=row["channel"],
         chat_id=row["chat_id"],
         dir_name=row["dir_name"],
-        created_at=row["created_at"],
-        last_active_at=row["last_active_at"],
+        created_at=ts(row["created_at"]),
+        last_active_at=ts(row["last_active_at"]),
     )
 
 
@@ -74,11 +74,11 @@ def _message(row: sqlite3.Row) -> Message:
         sender=row["sender"],
         text=row["text"],
         attachments=tuple(json.loads(row["attachments"])),
-        received_at=row["received_at"],
+        received_at=ts(row["received_at"]),
         state=MessageState(row["state"]),
         attempts=row["attempts"],
         error=row["error"],
-        updated_at=row["updated_at"],
+        updated_at=ts(row["updated_at"]),
     )
 
 
@@ -89,8 +89,8 @@ def _reply(row: sqlite3.Row) -> Reply:
         conversation_id=ConversationId(row["conversation_id"]),
         outbound_key=row["outbound_key"],
         text=row["text"],
-        created_at=row["created_at"],
-        delivered_at=row["delivered_at"],
+        created_at=ts(row["created_at"]),
+        delivered_at=opt_ts(row["delivered_at"]),
     )
 
 

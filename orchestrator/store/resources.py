@@ -6,7 +6,7 @@ import secrets
 import sqlite3
 
 from orchestrator.errors import NotFound, StateConflict
-from orchestrator.store._base import sha256_hex
+from orchestrator.store._base import opt_ts, sha256_hex, ts
 from orchestrator.store.models import (
     ConversationId,
     Sandbox,
@@ -29,8 +29,8 @@ def _sandbox(row: sqlite3.Row) -> Sandbox:
         agent=row["agent"],
         spec_hash=row["spec_hash"],
         state=SandboxState(row["state"]),
-        created_at=row["created_at"],
-        last_used_at=row["last_used_at"],
+        created_at=ts(row["created_at"]),
+        last_used_at=ts(row["last_used_at"]),
     )
 
 
@@ -40,8 +40,8 @@ def _share(row: sqlite3.Row) -> Share:
         session_id=SessionId(row["session_id"]),
         conversation_id=ConversationId(row["conversation_id"]),
         path=row["path"],
-        created_at=row["created_at"],
-        revoked_at=row["revoked_at"],
+        created_at=ts(row["created_at"]),
+        revoked_at=opt_ts(row["revoked_at"]),
         revoked_by=row["revoked_by"],
     )
 

@@ -12,7 +12,7 @@ import uuid
 
 from orchestrator.conversations import SESSION_RE
 from orchestrator.errors import NotFound, StoreError
-from orchestrator.store._base import conflict
+from orchestrator.store._base import conflict, opt_ts, ts
 from orchestrator.store.messages import MessagesMixin
 from orchestrator.store.models import (
     ConversationId,
@@ -40,9 +40,9 @@ def _session(row: sqlite3.Row) -> Session:
         harness=row["harness"],
         harness_session_id=row["harness_session_id"],
         state=SessionState(row["state"]),
-        started_at=row["started_at"],
-        last_active_at=row["last_active_at"],
-        ended_at=row["ended_at"],
+        started_at=ts(row["started_at"]),
+        last_active_at=ts(row["last_active_at"]),
+        ended_at=opt_ts(row["ended_at"]),
         busy=row["busy"],
     )
 
@@ -56,8 +56,8 @@ def _turn(row: sqlite3.Row) -> Turn:
         message_id=None if message is None else MessageId(message),
         harness_turn_id=row["harness_turn_id"],
         ok=None if ok is None else bool(ok),
-        started_at=row["started_at"],
-        finished_at=row["finished_at"],
+        started_at=ts(row["started_at"]),
+        finished_at=opt_ts(row["finished_at"]),
     )
 
 

@@ -126,6 +126,9 @@ def test_conversation_upsert_is_stable_and_per_agent(store: Store, clock: FakeCl
     assert again.created_at == first.created_at
     assert again.last_active_at == first.created_at + 5
     assert again.dir_name == key.dir_name
+    # RETURNING hands back a whole REAL as an int; rows must still carry floats.
+    assert type(first.created_at) is float
+    assert store.get_conversation(first.id) == again
     other_agent = store.upsert_conversation(ConversationKey("bot2", "telegram", "-1001"))
     assert other_agent.id != first.id
     assert [c.id for c in store.conversations(agent="bot")] == [first.id]
