@@ -58,7 +58,7 @@ def _key(row: sqlite3.Row) -> ApiKey:
         admin=bool(row["admin"]),
         write=bool(row["write"]),
         created_at=ts(row["created_at"]),
-        last_used_at=ts(row["last_used_at"]),
+        last_used_at=opt_ts(row["last_used_at"]),
         revoked_at=opt_ts(row["revoked_at"]),
     )
 
