@@ -62,7 +62,10 @@ _SECRET_SHAPES: tuple[tuple[str, re.Pattern[str]], ...] = (
     ("a JSON web token", re.compile(r"\beyJ[A-Za-z0-9_-]{10,}\.eyJ[A-Za-z0-9_-]{10,}\.[\w-]{10,}")),
     ("a cellgate API key", re.compile(r"\bcg_[A-Za-z0-9_-]{20,}")),
     ("a bearer token", re.compile(r"\bBearer\s+(?=\S*\d)[A-Za-z0-9._~+/=-]{20,}")),
-    ("an Authorization header", re.compile(r"(?i)\bauthorization:\s*[A-Za-z]+\s+\S{8,}")),
+    (
+        "an Authorization header",
+        re.compile(r"(?i)\bauthorization:\s*(?:basic|bearer|token|digest)\s+\S{8,}"),
+    ),
     (
         "a password inside a URL",
         re.compile(r"\b[a-z][a-z0-9+.-]*://[^\s/:@]+:[^\s/@]{3,}@[^\s/@]+", re.IGNORECASE),
@@ -73,7 +76,7 @@ _SECRET_SHAPES: tuple[tuple[str, re.Pattern[str]], ...] = (
 _ASSIGNMENT = re.compile(
     r"(?<![A-Za-z0-9_.-])(?P<name>[A-Za-z][A-Za-z0-9_.-]*)['\"]?"
     r"(?P<sep>\s*[:=]\s*|\s+(?:is|was)\s+(?:now\s+)?)"
-    r"['\"]?(?P<value>[^\s'\"`]+)"
+    r"(?=['\"]?(?P<value>[^\s'\"`]+))"  # a lookahead: the value may hold the next name
 )
 _NAME_PARTS = re.compile(r"[A-Z]?[a-z]+|[A-Z]+(?![a-z])|\d+")
 _STRONG_PARTS = frozenset(

@@ -86,6 +86,9 @@ SECRETS = [
     "the wifi password: Tr0ub4dor&3",
     "STRIPE_KEY=Zx81kLmQ9pRt7vWy2",
     "token: 8a7b6c5d4e3f2a1b",
+    "db: password=hunter22",  # an earlier `name: value` must not hide the secret
+    "secret_key = 'django-insecure-abc123'",
+    "He said the password is Bangkok2024!",
 ]
 
 PROSE = [
@@ -105,6 +108,14 @@ PROSE = [
     "he plays sk-8 boarding",
     "password=<your-password> goes in the config template",
     "API_KEY=${API_KEY}",
+    "The user's name is Somchai and his password is long.",
+    "Token: the user prefers short answers",
+    "primary key: user_id",
+    "secret: don't tell anyone about the party",
+    "pass: 2 tickets for Friday",
+    "Authorization: the manager approved it",
+    "Authorization: the approvals are pending",
+    "Password reset link: https://example.com/reset",
 ]
 
 
