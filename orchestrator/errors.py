@@ -106,7 +106,9 @@ class MountVerificationFailed(SandboxError):
         self.violations = tuple(violations)
         listed = "; ".join(self.violations)
         super().__init__(
-            f"refusing to run in {container}: its mounts are wider than its plan (S4): {listed}"
+            f"refusing to run in {container}: it differs from its plan (S4): {listed}. "
+            f"Nothing was run. Inspect it, then remove it (`docker rm -f {container}`) and the "
+            "next turn recreates it to plan"
         )
 
 

@@ -16,7 +16,7 @@ echo "== mypy --strict" >&2
 "$bin/mypy" --strict
 echo "== pytest (base image $CELLGATE_BASE_IMAGE)" >&2
 set +e
-"$CELLGATE_PY" -m pytest -p no:cacheprovider -ra "$@"
+CELLGATE_REQUIRE_DOCKER=1 "$CELLGATE_PY" -m pytest -p no:cacheprovider -ra "$@"
 code=$?
 set -e
 if [ "$code" = 5 ]; then

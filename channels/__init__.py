@@ -1,0 +1,1 @@
+"""Platform adapters: each turns library objects into cellgate's own models (`channels.base`)."""

@@ -1,0 +1,85 @@
+"""Suite-wide guards and fixtures.
+
+- No test reaches past loopback: a connect to any other address fails the test.
+- Tests that need Docker get `docker_client`; when CELLGATE_REQUIRE_DOCKER=1 (the
+  test script sets it) a missing engine fails them instead of skipping.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import socket
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+_real_connect = socket.socket.connect
+_real_connect_ex = socket.socket.connect_ex
+
+
+def _check(address: Any) -> None:
+    if isinstance(address, tuple) and address:
+        host = str(address[0])
+        if host in ("localhost", ""):
+            return
+        try:
+            ip = ipaddress.ip_address(host.split("%")[0])
+        except ValueError as exc:
+            raise RuntimeError(f"test tried to reach {host!r}: tests stay on loopback") from exc
+        if not ip.is_loopback:
+            raise RuntimeError(f"test tried to reach {host}: tests stay on loopback")
+
+
+def _guarded_connect(self: socket.socket, address: Any) -> None:
+    _check(address)
+    _real_connect(self, address)
+
+
+def _guarded_connect_ex(self: socket.socket, address: Any) -> int:
+    _check(address)
+    return _real_connect_ex(self, address)
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _loopback_only() -> Iterator[None]:
+    socket.socket.connect = _guarded_connect  # type: ignore[method-assign]
+    socket.socket.connect_ex = _guarded_connect_ex  # type: ignore[method-assign]
+    yield
+    socket.socket.connect = _real_connect  # type: ignore[method-assign]
+    socket.socket.connect_ex = _real_connect_ex  # type: ignore[method-assign]
+
+
+def require_docker() -> Any:
+    import docker
+    import docker.errors
+
+    try:
+        client = docker.from_env()
+        client.ping()
+    except docker.errors.DockerException as exc:
+        if os.environ.get("CELLGATE_REQUIRE_DOCKER") == "1":
+            pytest.fail(f"a Docker engine is required here and none answers: {exc}")
+        pytest.skip(f"no Docker engine: {exc}")
+    return client
+
+
+@pytest.fixture(scope="session")
+def docker_client() -> Iterator[Any]:
+    client = require_docker()
+    yield client
+    client.close()
+
+
+@pytest.fixture(scope="session")
+def base_image(docker_client: Any) -> str:
+    """The base for test images: CELLGATE_BASE_IMAGE, else the local Debian base."""
+    import docker.errors
+
+    ref = os.environ.get("CELLGATE_BASE_IMAGE", "cellgate-base:bookworm")
+    try:
+        docker_client.images.get(ref)
+    except docker.errors.ImageNotFound:
+        pytest.fail(f"base image {ref} is missing: run `bash scripts/build-base-image.sh`")
+    return ref

@@ -1,0 +1,147 @@
+"""A real gateway over real HTTP, serving the sample isolated app on a real engine.
+
+Canary secrets are planted in the gateway's own environment, its config file
+and the app's declared environment; the tests look for them from inside.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import uvicorn
+import yaml
+
+from orchestrator.api import create_app
+from orchestrator.apps import install_app
+from orchestrator.config import load_config, write_config_document
+from orchestrator.demo import sample_app_dir
+from orchestrator.gateway import Gateway
+from sandbox.backends.docker import DockerBackend
+from sandbox.spec import LABEL_APP
+
+CANARIES = {
+    "TELEGRAM_BOT_TOKEN": "123456789:canaryTELEGRAMtokenAAAAAAAAAAAAAAAAAAAA",
+    "GATEWAY_API_URL": "http://127.0.0.1:1/canary-gateway-url",
+    "OPENAI_API_KEY": "sk-canaryOPENAIkey0123456789abcdef",
+    "CELLGATE_ADMIN_KEY": "cg_canaryADMINkey0123456789abcdefgh",
+}
+CONFIG_KEY = "cg_canaryCONFIGkey0123456789abcdefghij"
+APP_SECRETS = {"DB_PASSWORD": "canary-db-password-0123", "SHOP_API_TOKEN": "canary-shop-token-4567"}
+CANARY_NEEDLE = "canary"
+APP_PUBLIC_ENV = {"APP_MODE": "demo-public-setting"}
+
+
+@dataclass
+class LiveGateway:
+    url: str
+    key: str
+    state_dir: Path
+    app: str
+    agent: str
+    docker: Any
+    gateway: Gateway
+
+    def say(self, chat: str, text: str, timeout: float = 120) -> httpx.Response:
+        return httpx.post(
+            f"{self.url}/v1/agents/{self.agent}/chats/{chat}/messages",
+            json={"text": text},
+            headers={"Authorization": f"Bearer {self.key}"},
+            timeout=timeout,
+        )
+
+    def run(self, chat: str, text: str) -> str:
+        r = self.say(chat, text)
+        assert r.status_code == 200, r.text
+        return str(r.json()["reply"])
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _prepare_app(tmp: Path) -> Path:
+    app_dir = tmp / "app-src"
+    shutil.copytree(sample_app_dir(), app_dir, symlinks=True)
+    manifest = yaml.safe_load((app_dir / "app.yaml").read_text())
+    manifest["name"] = "e2e"
+    manifest["services"]["agent"]["name"] = "e2e-bot"
+    manifest["services"]["agent"]["environment"] = {**APP_SECRETS, **APP_PUBLIC_ENV}
+    (app_dir / "app.yaml").write_text(yaml.safe_dump(manifest))
+    return app_dir
+
+
+@pytest.fixture(scope="session")
+def live(
+    tmp_path_factory: pytest.TempPathFactory, docker_client: Any, base_image: str
+) -> Iterator[LiveGateway]:
+    tmp = tmp_path_factory.mktemp("e2e")
+    state = tmp / "state"
+    state.mkdir()
+    config_path = state / "config.json"
+    write_config_document(
+        config_path,
+        {
+            "gateway": {"stateDir": str(state), "limits": {"pids": 64}},
+            "apiKeys": [{"name": "e2e", "key": CONFIG_KEY, "agents": ["e2e-bot"]}],
+            "agents": [],
+        },
+    )
+    install_app(_prepare_app(tmp), config_path, state, docker_client, lambda _: None,
+                build_args={"BASE_IMAGE": base_image})
+    saved = {k: os.environ.get(k) for k in CANARIES}
+    os.environ.update(CANARIES)
+    port = _free_port()
+    holder: dict[str, Any] = {}
+    ready = threading.Event()
+
+    def serve() -> None:
+        async def main() -> None:
+            gw = Gateway(load_config(config_path), DockerBackend.from_env())
+            holder["gateway"] = gw
+            server = uvicorn.Server(uvicorn.Config(create_app(gw), host="127.0.0.1", port=port,
+                                                   log_level="warning", lifespan="off"))
+            holder["server"] = server
+            task = asyncio.create_task(server.serve())
+            while not server.started:
+                await asyncio.sleep(0.02)
+            ready.set()
+            await task
+            await gw.close()
+
+        asyncio.run(main())
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    assert ready.wait(30), "gateway did not start"
+    try:
+        yield LiveGateway(f"http://127.0.0.1:{port}", CONFIG_KEY, state, "e2e", "e2e-bot",
+                          docker_client, holder["gateway"])
+    finally:
+        holder["server"].should_exit = True
+        thread.join(30)
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        for c in docker_client.containers.list(all=True, filters={"label": f"{LABEL_APP}=e2e"}):
+            c.remove(force=True)
+        time.sleep(0)
+
+
+def config_text(live: LiveGateway) -> str:
+    return json.dumps(json.loads((live.state_dir / "config.json").read_text()))

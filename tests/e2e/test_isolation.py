@@ -1,0 +1,187 @@
+"""A hostile shell in chat A's sandbox, driven through the HTTP endpoint and the shell harness.
+
+Every claim is checked from inside a sandbox, not by reading our own config back.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import re
+
+import pytest
+
+from orchestrator.conversations import ConversationKey
+from tests.e2e.conftest import (
+    APP_PUBLIC_ENV,
+    APP_SECRETS,
+    CANARIES,
+    CANARY_NEEDLE,
+    CONFIG_KEY,
+    LiveGateway,
+)
+
+pytestmark = pytest.mark.docker
+
+A, B = "alice", "bob"
+MARK = "alice-private-marker-7f3a"
+
+
+def dir_of(live: LiveGateway, chat: str) -> str:
+    return ConversationKey(live.agent, "api", chat).dir_name
+
+
+@pytest.fixture(scope="module")
+def seeded(live: LiveGateway) -> LiveGateway:
+    """Chat A leaves traces everywhere it can write: memory, media, home, /tmp, a process."""
+    reply = live.run(
+        A,
+        f"set -e; cd /workspace/chats/{dir_of(live, A)}; echo {MARK} >> MEMORY.md; "
+        f"echo {MARK} > USER.md; echo {MARK} > transcript.jsonl; "
+        f"echo {MARK} > /workspace/media/*/photo.txt; echo {MARK} > $HOME/.claude/a.json; "
+        f"echo {MARK} > /tmp/a.txt; (nohup sleep 600 >/dev/null 2>&1 &); echo done",
+    )
+    assert "done" in reply and "[exit 0]" in reply
+    return live
+
+
+def test_M1_S3_chat_sees_only_its_own_conversation(seeded: LiveGateway) -> None:
+    reply = seeded.run(B, "ls -A /workspace/chats /workspace/media")
+    assert dir_of(seeded, B) in reply
+    assert dir_of(seeded, A) not in reply
+    assert "api-" in reply  # its own media dir
+
+
+def test_S3_M1_chat_b_finds_nothing_of_chat_a(seeded: LiveGateway) -> None:
+    reply = seeded.run(
+        B,
+        f"grep -rl {MARK} / --exclude-dir=proc --exclude-dir=sys 2>/dev/null; "
+        f"cat /workspace/chats/{dir_of(seeded, A)}/MEMORY.md 2>&1; echo checked",
+    )
+    assert MARK not in reply.replace(f"grep -rl {MARK}", "")
+    assert "No such file or directory" in reply
+    assert "checked" in reply
+
+
+def test_M3_new_chat_starts_with_empty_memory_not_root_memory(seeded: LiveGateway) -> None:
+    d = dir_of(seeded, B)
+    reply = seeded.run(B, f"wc -c < /workspace/chats/{d}/MEMORY.md; wc -c < /workspace/chats/{d}/USER.md;"
+                          " ls /workspace/MEMORY.md /workspace/USER.md 2>&1")
+    assert re.search(r"^0\n0\n", reply)
+    assert "Operator note" not in reply
+    assert reply.count("No such file or directory") == 2
+
+
+def test_S2_chat_b_sees_none_of_chat_a_processes(seeded: LiveGateway) -> None:
+    mine = seeded.run(A, "cat /proc/[0-9]*/cmdline 2>/dev/null | tr '\\0' ' '")
+    assert "sleep 600" in mine
+    theirs = seeded.run(B, "cat /proc/[0-9]*/cmdline 2>/dev/null | tr '\\0' ' '")
+    assert "sleep 600" not in theirs
+
+
+def test_S2_own_tmp_and_home(seeded: LiveGateway) -> None:
+    reply = seeded.run(B, "ls -A /tmp $HOME/.claude; echo $HOME; touch /tmp/b $HOME/b && echo w-ok")
+    assert "a.txt" not in reply and "a.json" not in reply
+    assert "/home/agent" in reply and "w-ok" in reply
+
+
+@pytest.mark.parametrize(
+    "target",
+    [
+        "/workspace/AGENTS.md",
+        "/workspace/SOUL.md",
+        "/workspace/IDENTITY.md",
+        "/workspace/skills/hello/SKILL.md",
+        "/workspace/skills/new.md",
+        "/workspace/.claude/settings.json",
+        "/workspace/.claude/skills/greet/SKILL.md",
+        "/workspace/new-root-file.md",
+        "/workspace/chats/new-dir/x",
+        "/etc/passwd",
+        "/usr/bin/evil",
+        "/run/cellgate/x",
+    ],
+)
+def test_S2_S3_L6_read_only_paths_cannot_be_written(seeded: LiveGateway, target: str) -> None:
+    reply = seeded.run(A, f"echo pwned >> {target} && echo WROTE || echo refused")
+    assert "refused" in reply and "WROTE" not in reply
+
+
+def test_L6_persona_unchanged_on_host(seeded: LiveGateway) -> None:
+    ws = seeded.state_dir / "agents" / seeded.agent / "workspace"
+    assert "pwned" not in (ws / "AGENTS.md").read_text()
+    assert not (ws / "new-root-file.md").exists()
+
+
+def test_K1_no_secret_in_environment_or_files(seeded: LiveGateway) -> None:
+    reply = seeded.run(
+        A,
+        "env; echo ---; tr '\\0' '\\n' < /proc/1/environ; echo ---; "
+        f"grep -rIil -e {CANARY_NEEDLE} -e {CONFIG_KEY[:12]} / --exclude-dir=proc --exclude-dir=sys "
+        "2>/dev/null; echo end",
+    )
+    assert CANARY_NEEDLE not in reply.lower().replace(f"-e {CANARY_NEEDLE}", "")
+    for value in [*CANARIES.values(), *APP_SECRETS.values(), CONFIG_KEY]:
+        assert value not in reply
+    for name in [*CANARIES, *APP_SECRETS]:
+        assert f"{name}=" not in reply
+    assert "GATEWAY_API_URL" not in reply
+    # The app's ordinary settings do reach it: the filter is not "drop everything".
+    assert f"APP_MODE={APP_PUBLIC_ENV['APP_MODE']}" in reply
+    assert f"GATEWAY_ORIGIN_CHAT_ID={A}" in reply
+    assert "CLAUDE_CODE_DISABLE_AUTO_MEMORY=1" in reply
+
+
+def test_S2_no_capabilities_no_new_privileges_not_root(seeded: LiveGateway) -> None:
+    reply = seeded.run(A, "grep -E '^(CapEff|CapPrm|CapBnd|NoNewPrivs)' /proc/self/status; id -u")
+    assert re.search(r"CapEff:\s+0+\n", reply)
+    assert re.search(r"CapPrm:\s+0+\n", reply)
+    assert re.search(r"NoNewPrivs:\s+1", reply)
+    uid = reply.split("\n")[-3].strip()
+    assert uid.isdigit() and uid != "0"
+
+
+def test_S2_no_docker_socket(seeded: LiveGateway) -> None:
+    reply = seeded.run(A, "ls -la /var/run/docker.sock /run/docker.sock 2>&1; "
+                          "find / -name '*.sock' -not -path '/proc/*' 2>/dev/null; echo end")
+    assert reply.count("No such file or directory") == 2
+    assert "docker.sock\n" not in reply.split("end")[0].split("directory")[-1]
+
+
+PY_SYSCALLS = (
+    "python3 - <<'PY'\n"
+    "import ctypes, os\n"
+    "libc = ctypes.CDLL(None, use_errno=True)\n"
+    "os.makedirs('/tmp/m', exist_ok=True)\n"
+    "r = libc.mount(b'none', b'/tmp/m', b'tmpfs', 0, None)\n"
+    "print('mount', r, os.strerror(ctypes.get_errno()))\n"
+    "for name, flag in (('user', 0x10000000), ('mnt', 0x00020000), ('net', 0x40000000)):\n"
+    "    r = libc.unshare(flag)\n"
+    "    print('unshare', name, r, os.strerror(ctypes.get_errno()))\n"
+    "PY"
+)
+
+
+def test_S2_cannot_mount_or_unshare(seeded: LiveGateway) -> None:
+    reply = seeded.run(A, PY_SYSCALLS)
+    assert "mount -1" in reply
+    for ns in ("user", "mnt", "net"):
+        assert f"unshare {ns} -1" in reply
+
+
+def test_S2_no_network(seeded: LiveGateway) -> None:
+    reply = seeded.run(A, "cat /proc/net/dev | tail -n +3 | cut -d: -f1")
+    assert [line.strip() for line in reply.splitlines()[:-1]] == ["lo"]
+
+
+def test_S2_pids_limit_stops_a_fork_bomb_without_hurting_chat_b(seeded: LiveGateway) -> None:
+    bomb = ("i=0; while [ $i -lt 300 ]; do sleep 30 & i=$((i+1)); done 2>/dev/null; "
+            "ls /proc | grep -c '^[0-9]'; kill -9 -1 2>/dev/null; echo survived")
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        fut_a = pool.submit(seeded.say, A, bomb)
+        fut_b = pool.submit(seeded.say, B, "echo b-is-fine")
+        ra, rb = fut_a.result(), fut_b.result()
+    assert rb.status_code == 200 and "b-is-fine" in rb.json()["reply"]
+    if ra.status_code == 200:
+        count = int(re.findall(r"^(\d+)$", ra.json()["reply"], re.M)[0])
+        assert count <= 64
+    assert "b-is-fine" in seeded.run(B, "echo b-is-fine")
