@@ -8,6 +8,7 @@
     ├── AgentUnavailable(agent, reason)         the agent exists but cannot take turns
     ├── TurnTimeout(seconds)                    a turn ran past its time limit
     ├── PolicyDenied(rule, reason)              a policy refused an action
+    ├── BridgeError(code, reason)               a bridge tool call was malformed or failed
     ├── SandboxError                            anything about a sandbox container
     │   ├── EngineUnavailable(reason)           no Docker engine answers
     │   ├── ImageError(image, reason)           an image is missing or failed to build
@@ -144,3 +145,17 @@ class StateConflict(StoreError):
         self.expected = expected
         self.actual = actual
         super().__init__(f"{kind} {key!r} is {actual}, not {expected}; nothing was changed")
+
+
+class BridgeError(CellgateError):
+    """A tool call over the bridge could not be carried out (not a policy refusal).
+
+    `code` is what the caller sees: `bad_request`, `unknown_tool`, `not_found`,
+    `too_large`, `busy`, `timeout`, `delivery_failed`, `conflict`, `no_session`,
+    `internal`.
+    """
+
+    def __init__(self, code: str, reason: str) -> None:
+        self.code = code
+        self.reason = reason
+        super().__init__(f"{code}: {reason}")

@@ -1,0 +1,276 @@
+"""One unix socket per conversation; identity by connection (P1, T4).
+
+`BridgeServer.open(scope)` listens on `<bridge_dir>/bridge.sock`, the directory
+mounted read-only at `/run/cellgate` into that conversation's sandbox alone.
+Every call on the socket runs in the scope bound to it; nothing a call sends
+names its conversation, chat, session or directories.
+
+Protocol: newline-delimited JSON, any number of requests per connection,
+answered in order.
+
+    -> {"id": "c1", "tool": "reply", "args": {"text": "hi"}}
+    <- {"id": "c1", "ok": true, "result": {...}}
+    <- {"id": "c1", "ok": false, "error": {"code": "refused", "message": "...", "rule": "P1"}}
+
+A request is at most `BridgeLimits.max_request_bytes`; a socket serves at most
+`max_connections` connections at once (the next is answered `busy` and
+closed); a connection idle past `idle_timeout` is closed; a call running past
+`call_timeout` is answered `timeout`. Malformed input is answered, never fatal.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import stat
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from orchestrator.bridge.scope import BridgeScope, ScopeState
+from orchestrator.bridge.tools import JSONObject, ToolHandlers
+from orchestrator.errors import BridgeError, PolicyDenied
+
+__all__ = ["SOCKET_NAME", "BridgeLimits", "BridgeServer"]
+
+logger = logging.getLogger(__name__)
+
+SOCKET_NAME = "bridge.sock"
+_ID_MAX = 128
+
+
+@dataclass(frozen=True, slots=True)
+class BridgeLimits:
+    max_request_bytes: int = 1024 * 1024
+    max_connections: int = 16
+    idle_timeout: float = 60.0
+    call_timeout: float = 120.0
+
+
+@dataclass(slots=True)
+class _Binding:
+    scope: BridgeScope
+    server: asyncio.Server
+    path: Path
+    inode: tuple[int, int]
+    state: ScopeState = field(default_factory=ScopeState)
+    active: int = 0
+    tasks: set[asyncio.Task[None]] = field(default_factory=set)
+
+
+def _error(call_id: Any, code: str, message: str, rule: str | None = None) -> JSONObject:
+    return {"id": call_id, "ok": False, "error": {"code": code, "message": message, "rule": rule}}
+
+
+def _encode(doc: JSONObject) -> bytes:
+    return json.dumps(doc, ensure_ascii=False, separators=(",", ":")).encode() + b"\n"
+
+
+class BridgeServer:
+    """Serves `handlers` on one socket per conversation."""
+
+    def __init__(self, handlers: ToolHandlers, limits: BridgeLimits | None = None) -> None:
+        self.handlers = handlers
+        self.limits = limits or BridgeLimits()
+        self._bindings: dict[str, _Binding] = {}
+        self._lock = asyncio.Lock()
+
+    def scope(self, scope_key: str) -> BridgeScope | None:
+        binding = self._bindings.get(scope_key)
+        return None if binding is None else binding.scope
+
+    def state(self, scope_key: str) -> ScopeState | None:
+        binding = self._bindings.get(scope_key)
+        return None if binding is None else binding.state
+
+    async def open(self, scope: BridgeScope) -> Path:
+        """Listen for `scope` (idempotent); returns the host path of its socket.
+
+        Called again with a new scope (a new session), the socket stays and
+        the next call runs in the new scope. A socket file that vanished or
+        was replaced is created anew.
+        """
+        async with self._lock:
+            path = scope.paths.bridge_dir / SOCKET_NAME
+            binding = self._bindings.get(scope.scope_key)
+            if binding is not None:
+                if binding.path == path and self._still_ours(binding):
+                    if binding.scope.session_id != scope.session_id:
+                        binding.state = ScopeState()
+                    binding.scope = scope
+                    return path
+                await self._shutdown(binding)
+                del self._bindings[scope.scope_key]
+            self._bindings[scope.scope_key] = await self._listen(scope, path)
+            logger.info("bridge open at %s", path, extra={"conversation": scope.conversation_id})
+            return path
+
+    @staticmethod
+    def _still_ours(binding: _Binding) -> bool:
+        try:
+            st = os.lstat(binding.path)
+        except FileNotFoundError:
+            return False
+        return stat.S_ISSOCK(st.st_mode) and (st.st_dev, st.st_ino) == binding.inode
+
+    async def _listen(self, scope: BridgeScope, path: Path) -> _Binding:
+        directory = path.parent
+        os.makedirs(directory, mode=0o755, exist_ok=True)
+        st = os.lstat(directory)  # the gateway made it; a link or file here is an error
+        if not stat.S_ISDIR(st.st_mode):
+            raise BridgeError("internal", f"bridge directory {directory} is not a real directory")
+        # traversable by the sandbox's uid, writable by nobody else
+        os.chmod(directory, 0o755)  # noqa: S103
+        with contextlib.suppress(FileNotFoundError):
+            if stat.S_ISDIR(os.lstat(path).st_mode):
+                raise BridgeError("internal", f"{path} is a directory, not a socket")
+            os.unlink(path)
+        holder: dict[str, _Binding] = {}
+
+        async def on_connect(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            await self._connection(holder["b"], reader, writer)
+
+        server = await asyncio.start_unix_server(
+            on_connect, path=str(path), limit=self.limits.max_request_bytes + 1
+        )
+        # the sandbox's uid must connect; the directory is seen by that sandbox alone
+        os.chmod(path, 0o666)  # noqa: S103
+        sst = os.lstat(path)
+        binding = _Binding(scope=scope, server=server, path=path, inode=(sst.st_dev, sst.st_ino))
+        holder["b"] = binding
+        return binding
+
+    async def close(self, scope_key: str) -> None:
+        """Stop serving a conversation and remove its socket; a no-op if it is not open."""
+        async with self._lock:
+            binding = self._bindings.pop(scope_key, None)
+            if binding is not None:
+                await self._shutdown(binding)
+
+    async def close_all(self) -> None:
+        async with self._lock:
+            bindings = list(self._bindings.values())
+            self._bindings.clear()
+            for binding in bindings:
+                await self._shutdown(binding)
+
+    async def __aenter__(self) -> BridgeServer:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close_all()
+
+    async def _shutdown(self, binding: _Binding) -> None:
+        binding.server.close()
+        for task in list(binding.tasks):
+            task.cancel()
+        if binding.tasks:
+            await asyncio.gather(*binding.tasks, return_exceptions=True)
+        await binding.server.wait_closed()
+        if self._still_ours(binding):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(binding.path)
+        logger.info(
+            "bridge closed at %s", binding.path, extra={"conversation": binding.scope.scope_key}
+        )
+
+    # -- one connection -------------------------------------------------------
+
+    async def _connection(
+        self, binding: _Binding, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        task = asyncio.current_task()
+        try:
+            if binding.active >= self.limits.max_connections:
+                writer.write(
+                    _encode(_error(None, "busy", "too many connections to this bridge; retry"))
+                )
+                await writer.drain()
+                return
+            binding.active += 1
+            if task is not None:
+                binding.tasks.add(task)
+            try:
+                await self._serve(binding, reader, writer)
+            finally:
+                binding.active -= 1
+                if task is not None:
+                    binding.tasks.discard(task)
+        except (ConnectionError, asyncio.IncompleteReadError):
+            pass  # the client went away; nothing to answer
+        finally:
+            writer.close()
+            with contextlib.suppress(ConnectionError, asyncio.CancelledError):
+                await writer.wait_closed()
+
+    async def _serve(
+        self, binding: _Binding, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        limit = self.limits.max_request_bytes
+        while True:
+            try:
+                async with asyncio.timeout(self.limits.idle_timeout):
+                    line = await reader.readline()
+            except TimeoutError:
+                return
+            except ValueError:  # the line ran past the StreamReader limit
+                message = f"request is over {limit} bytes; send less (files go by path)"
+                writer.write(_encode(_error(None, "too_large", message)))
+                await writer.drain()
+                return
+            if not line:
+                return
+            if len(line.rstrip(b"\r\n")) > limit:
+                message = f"request is over {limit} bytes; send less (files go by path)"
+                writer.write(_encode(_error(None, "too_large", message)))
+                await writer.drain()
+                return
+            if not line.strip():
+                continue
+            writer.write(_encode(await self._answer(binding, line)))
+            await writer.drain()
+
+    async def _answer(self, binding: _Binding, line: bytes) -> JSONObject:
+        try:
+            doc = json.loads(line)
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            return _error(None, "bad_request", f"request is not JSON: {exc}")
+        if not isinstance(doc, dict):
+            return _error(None, "bad_request", 'request must be an object {"id","tool","args"}')
+        raw_id = doc.get("id")
+        if raw_id is None:
+            call_id = uuid.uuid4().hex
+        elif isinstance(raw_id, str | int) and not isinstance(raw_id, bool):
+            call_id = str(raw_id)[:_ID_MAX]
+        else:
+            return _error(None, "bad_request", "id must be a string or an integer")
+        tool = doc.get("tool")
+        args = doc.get("args", {})
+        if args is None:
+            args = {}
+        if not isinstance(tool, str) or not tool:
+            return _error(raw_id, "bad_request", "tool must be a non-empty string")
+        if not isinstance(args, dict):
+            return _error(raw_id, "bad_request", "args must be an object")
+        scope = binding.scope  # read per call: a new session's scope applies at once
+        try:
+            async with asyncio.timeout(self.limits.call_timeout):
+                result = await self.handlers.call(scope, binding.state, call_id, tool, args)
+        except PolicyDenied as exc:
+            return _error(raw_id, "refused", exc.reason, exc.rule)
+        except BridgeError as exc:
+            return _error(raw_id, exc.code, exc.reason)
+        except TimeoutError:
+            return _error(
+                raw_id, "timeout", f"{tool} did not finish in {self.limits.call_timeout:g} s"
+            )
+        except Exception:  # the boundary: log it, answer, keep serving
+            logger.exception(
+                "bridge tool %s failed", tool, extra={"conversation": scope.conversation_id}
+            )
+            return _error(raw_id, "internal", f"{tool} failed inside the gateway; it was logged")
+        return {"id": raw_id, "ok": True, "result": result}
