@@ -1,4 +1,4 @@
-"""`cellgate`: serve, demo, apps install."""
+"""`cellgate`: serve, demo, apps install, keys."""
 
 from __future__ import annotations
 
@@ -8,8 +8,12 @@ import logging
 import os
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from orchestrator.errors import CellgateError
+
+if TYPE_CHECKING:
+    from orchestrator.store import Store
 
 
 def _state_default() -> Path:
@@ -94,6 +98,60 @@ def _cmd_apps_install(args: argparse.Namespace) -> int:
     return 0
 
 
+def _keys_store(config: str) -> Store:
+    from orchestrator.config import load_config
+    from orchestrator.store import Store
+
+    return Store.open(load_config(Path(config)).gateway.state_dir)
+
+
+def _cmd_keys_create(args: argparse.Namespace) -> int:
+    from orchestrator.keys import create_operator_key
+
+    with _keys_store(args.config) as store:
+        key, secret = create_operator_key(
+            store,
+            args.name,
+            args.agent or [],
+            all_agents=args.all_agents,
+            admin=args.admin,
+            write=args.write,
+        )
+    flags = ", ".join(f for f, on in (("admin", key.admin), ("write", key.write)) if on)
+    print(f"created key {key.id} ({key.name}) for agents {','.join(key.agents)}"
+          f"{f' [{flags}]' if flags else ''}", file=sys.stderr)  # fmt: skip
+    print("the secret is shown only now; store it safely:", file=sys.stderr)
+    print(secret)
+    return 0
+
+
+def _cmd_keys_list(args: argparse.Namespace) -> int:
+    import time
+
+    def when(t: float | None) -> str:
+        return "-" if t is None else time.strftime("%Y-%m-%d %H:%M", time.gmtime(t))
+
+    with _keys_store(args.config) as store:
+        keys = store.list_keys(include_revoked=args.all)
+    print(f"{'ID':22} {'NAME':20} {'PREFIX':12} {'AGENTS':20} {'FLAGS':12} "
+          f"{'CREATED':16} {'LAST USED':16} REVOKED")  # fmt: skip
+    for k in keys:
+        flags = ",".join(f for f, on in (("admin", k.admin), ("write", k.write)) if on) or "-"
+        print(f"{k.id:22} {k.name[:20]:20} {k.prefix:12} {','.join(k.agents)[:20]:20} "
+              f"{flags:12} {when(k.created_at):16} {when(k.last_used_at):16} "
+              f"{when(k.revoked_at)}")  # fmt: skip
+    return 0
+
+
+def _cmd_keys_revoke(args: argparse.Namespace) -> int:
+    from orchestrator.store import KeyId
+
+    with _keys_store(args.config) as store:
+        key = store.revoke_key(KeyId(args.id))
+    print(f"revoked key {key.id} ({key.name})")
+    return 0
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="cellgate", description=__doc__)
     p.add_argument("-v", "--verbose", action="store_true", help="log at DEBUG")
@@ -117,6 +175,26 @@ def parser() -> argparse.ArgumentParser:
     ai.add_argument("dir")
     ai.add_argument("--config", required=True)
     ai.set_defaults(func=_cmd_apps_install)
+
+    k = sub.add_parser("keys", help="manage API keys (kept hashed in the state database)")
+    ksub = k.add_subparsers(dest="keys_command", required=True)
+    kc = ksub.add_parser("create", help="mint a key; its secret is printed once")
+    kc.add_argument("--config", required=True)
+    kc.add_argument("--name", required=True, help="who or what the key is for")
+    scope = kc.add_mutually_exclusive_group(required=True)
+    scope.add_argument("--agent", action="append", help="an agent the key may use (repeatable)")
+    scope.add_argument("--all-agents", action="store_true", help="every agent (*)")
+    kc.add_argument("--admin", action="store_true", help="every chat of every agent (K3)")
+    kc.add_argument("--write", action="store_true", help="may inject, share and revoke")
+    kc.set_defaults(func=_cmd_keys_create)
+    kl = ksub.add_parser("list", help="list keys (never their secrets)")
+    kl.add_argument("--config", required=True)
+    kl.add_argument("--all", action="store_true", help="include revoked keys")
+    kl.set_defaults(func=_cmd_keys_list)
+    kr = ksub.add_parser("revoke", help="revoke a key by its id")
+    kr.add_argument("id")
+    kr.add_argument("--config", required=True)
+    kr.set_defaults(func=_cmd_keys_revoke)
     return p
 
 

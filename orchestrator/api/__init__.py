@@ -1,0 +1,43 @@
+"""The HTTP API: the `api` channel's chat endpoint and the operator's admin API.
+
+    create_app(gateway) -> FastAPI       OpenAPI schema at /openapi.json
+
+Routers, one per resource: `chat` (send a message), `chats` (an agent's
+chats, sessions, messages, search, active days, inject), `media`, `shares`,
+`artifacts` (`/v1/image-artifacts`), `keys`. Who may call what is decided in
+`policies.api_access` (K2-K4), `policies.paths` (P5) and `policies.shares`
+(P6); `auth` gathers a key's facts, `ids` checks every id in a path (400), and
+`pathguard` refuses traversal in any path before routing, and
+`errors` maps every exception to `{"error": {code, message, rule}}` in one place.
+"""
+
+from __future__ import annotations
+
+from fastapi import FastAPI
+
+from orchestrator.api import artifacts, chat, chats, keys, media, shares
+from orchestrator.api.context import ApiContext
+from orchestrator.api.errors import install_error_handlers
+from orchestrator.api.pathguard import PathGuard
+from orchestrator.gateway import Gateway
+
+__all__ = ["create_app"]
+
+
+def create_app(gateway: Gateway) -> FastAPI:
+    app = FastAPI(
+        title="cellgate",
+        version="0.1.0",
+        description="One sandbox per conversation. Admin API: see README, section Operating.",
+    )
+    app.state.cellgate = ApiContext(gateway)
+    install_error_handlers(app)
+    app.add_middleware(PathGuard)
+
+    @app.get("/healthz", tags=["health"])
+    async def healthz() -> dict[str, str]:
+        return {"status": "ok"}
+
+    for module in (chat, chats, media, shares, artifacts, keys):
+        app.include_router(module.router)
+    return app

@@ -1,0 +1,138 @@
+"""Who is calling: the API key of a request, as facts for `policies.api_access` (K2-K4).
+
+Keys are looked up in the store first (`cellgate keys create`; only a sha256
+of each secret is kept), then among the config file's `apiKeys` (for first
+runs). A store key's last use is recorded, at most once a minute. Whether a
+key may do something is never decided here: `require` hands the facts to
+`policies.api_access.decide` and applies its decision.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import time
+from dataclasses import dataclass
+from typing import Annotated, Literal
+
+from fastapi import Depends, Security
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+
+from orchestrator.api.context import ApiContext, context
+from orchestrator.api.errors import AccessRefused, ApiError
+from orchestrator.store import ApiKey, KeyId
+from orchestrator.store.queries import key_by_secret
+from policies.api_access import Endpoint, KeyFacts, MediaOwner, RequestFacts, decide
+from policies.status import AccessDecision
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["CallerKey", "Principal", "authenticate", "require"]
+
+TOUCH_EVERY_SECONDS = 60.0
+MAX_SECRET = 512
+
+bearer = HTTPBearer(
+    auto_error=False,
+    description="An API key: `cellgate keys create` (or `apiKeys` in the config file).",
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Principal:
+    """The key a request carried; `facts` is all a policy sees of it."""
+
+    facts: KeyFacts
+    name: str = ""
+    key_id: KeyId | None = None
+    source: Literal["store", "config", "none"] = "none"
+
+    @property
+    def admin(self) -> bool:
+        return self.facts.present and not self.facts.revoked and self.facts.admin
+
+
+ANONYMOUS = Principal(KeyFacts(present=False))
+
+
+def _store_key(key: ApiKey) -> Principal:
+    facts = KeyFacts(
+        present=True,
+        revoked=not key.active,
+        admin=key.admin,
+        write=key.write,
+        agents=frozenset(key.agents),
+    )
+    return Principal(facts, key.name, key.id, "store")
+
+
+def authenticate(ctx: ApiContext, secret: str | None) -> Principal:
+    """The principal for `secret`; an unknown secret is refused (401) here."""
+    if not secret:
+        return ANONYMOUS
+    if len(secret) > MAX_SECRET:
+        raise ApiError(401, "unauthorized", "unknown API key", "K2")
+    key = key_by_secret(ctx.store, secret)
+    if key is not None:
+        if key.active and (
+            key.last_used_at is None or time.time() - key.last_used_at > TOUCH_EVERY_SECONDS
+        ):
+            ctx.store.touch_key(key.id)
+        return _store_key(key)
+    given = secret.encode("utf-8", "surrogatepass")
+    for conf in ctx.gateway.config.api_keys:
+        if hmac.compare_digest(conf.key.get_secret_value().encode(), given):
+            facts = KeyFacts(
+                present=True, admin=conf.admin, write=conf.write, agents=frozenset(conf.agents)
+            )
+            return Principal(facts, conf.name, None, "config")
+    raise ApiError(
+        401,
+        "unauthorized",
+        "unknown API key: check the secret, or mint one with `cellgate keys create`",
+        "K2",
+    )
+
+
+def _principal(
+    ctx: Annotated[ApiContext, Depends(context)],
+    creds: Annotated[HTTPAuthorizationCredentials | None, Security(bearer)],
+) -> Principal:
+    return authenticate(ctx, creds.credentials if creds is not None else None)
+
+
+CallerKey = Annotated[Principal, Depends(_principal)]
+"""The endpoint parameter that authenticates a request."""
+
+
+def require(
+    ctx: ApiContext,
+    who: Principal,
+    agent: str,
+    kind: Endpoint,
+    *,
+    media_owner: MediaOwner | None = None,
+    is_write: bool = False,
+) -> AccessDecision:
+    """Gather the request's facts, ask the policy, and raise its refusal (401/403)."""
+    facts = RequestFacts(
+        agent=agent,
+        agent_isolated=ctx.isolated(agent),
+        kind=kind,
+        media_owner=media_owner,
+        is_write=is_write,
+    )
+    decision = decide(who.facts, facts)
+    if not decision.allowed:
+        logger.info(
+            "refused %s on agent %s for key %s: %s (%s)",
+            kind, agent, who.key_id or who.name or "-", decision.reason, decision.rule,
+        )  # fmt: skip
+        raise AccessRefused(decision)
+    return decision
+
+
+def require_key(who: Principal) -> None:
+    """401 before any lookup, for endpoints whose agent is known only after one."""
+    if not who.facts.present or who.facts.revoked:
+        raise AccessRefused(decide(who.facts, RequestFacts("", False, "admin")))

@@ -1,0 +1,65 @@
+"""What every endpoint needs: the gateway, its store, and facts about its agents."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from fastapi import Request
+
+from orchestrator.gateway import Gateway
+from orchestrator.store import Store
+
+__all__ = ["ApiContext", "context", "gateway_store"]
+
+
+def gateway_store(gateway: Gateway) -> Store:
+    """The gateway's store (`Gateway.store`), or one opened on its state directory.
+
+    When every `Gateway` carries `store`, this becomes `return gateway.store`.
+    """
+    store = getattr(gateway, "store", None)
+    if isinstance(store, Store):
+        return store
+    return Store.open(gateway.config.gateway.state_dir)
+
+
+@dataclass
+class ApiContext:
+    gateway: Gateway
+    _store: Store | None = None
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @property
+    def store(self) -> Store:
+        """Opened on first use, so `create_app` does no I/O."""
+        if self._store is None:
+            with self._lock:
+                if self._store is None:
+                    self._store = gateway_store(self.gateway)
+        return self._store
+
+    def agent_known(self, agent: str) -> bool:
+        return agent in self.gateway.agents
+
+    def isolated(self, agent: str) -> bool:
+        """Isolated now, or started isolated (L5: a running agent keeps its mode)."""
+        rt = self.gateway.agents.get(agent)
+        if rt is None:
+            return False
+        return bool(rt.config.isolate_memory or rt.started_isolated)
+
+    def workspace(self, agent: str) -> Path:
+        """The agent's workspace on the host: the app's, the configured one, or the default."""
+        rt = self.gateway.agents.get(agent)
+        if rt is not None and rt.app is not None:
+            return rt.app.workspace
+        if rt is not None and rt.config.workspace is not None:
+            return rt.config.workspace.expanduser()
+        return self.gateway.config.gateway.state_dir / "agents" / agent / "workspace"
+
+
+def context(request: Request) -> ApiContext:
+    ctx: ApiContext = request.app.state.cellgate
+    return ctx

@@ -1,0 +1,193 @@
+"""Media directories, resolved through the store, and files opened inside them (K3, K4, P5).
+
+A media path is `<media dir>/<file>`: `api-<session>/...` for an API session,
+`<channel>-<chatId>/...` (or `<channel>-h.<hash>/...`) for a channel chat
+(`ConversationKey.media_dir_name`). The directory is found only through the
+store (a session row, a conversation row); the file is opened with the
+bridge's `O_NOFOLLOW` walk (`orchestrator.bridge.safefiles`), decided by
+`policies.paths` (P5) on facts from the open descriptor, and served from
+that same descriptor.
+"""
+
+from __future__ import annotations
+
+import mimetypes
+import os
+import stat
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from fastapi.responses import StreamingResponse
+
+from orchestrator.api.context import ApiContext
+from orchestrator.api.errors import ApiError
+from orchestrator.api.ids import MediaPath, relative_file
+from orchestrator.bridge.safefiles import SafeFile, open_media_file
+from orchestrator.conversations import ConversationKey
+from orchestrator.errors import CellgateError, PolicyDenied
+from orchestrator.store import Conversation, Session, SessionId, conversation_id
+from policies.api_access import MediaOwner
+
+__all__ = [
+    "MAX_SERVE_BYTES",
+    "MediaDir",
+    "file_response",
+    "image_type",
+    "media_dir_of_path",
+    "media_dir_of_session",
+    "open_in",
+    "open_stored",
+]
+
+MAX_SERVE_BYTES = 1024 * 1024 * 1024
+_CHUNK = 256 * 1024
+_INLINE = ("image/", "audio/", "video/")
+_IMAGE_MAGIC: tuple[tuple[bytes, str], ...] = (
+    (b"\x89PNG\r\n\x1a\n", "image/png"),
+    (b"\xff\xd8\xff", "image/jpeg"),
+    (b"GIF87a", "image/gif"),
+    (b"GIF89a", "image/gif"),
+)
+
+
+@dataclass(frozen=True, slots=True)
+class MediaDir:
+    """One conversation's (or API session's) media directory on the host."""
+
+    name: str
+    host: Path
+    conversation: Conversation
+    session: Session | None
+
+    @property
+    def owner(self) -> MediaOwner:
+        return "api_session" if self.name.startswith("api-") else "channel_chat"
+
+
+def owner_of(mp: MediaPath) -> MediaOwner:
+    """Whose directory a path names, from its shape alone (before any lookup)."""
+    return "api_session" if mp.is_api_session else "channel_chat"
+
+
+def _not_found(what: str) -> ApiError:
+    return ApiError(404, "not_found", what)
+
+
+def media_dir_of_session(ctx: ApiContext, session: Session) -> MediaDir:
+    conv = ctx.store.get_conversation(session.conversation_id)
+    if conv is None:  # a foreign key holds this; say so rather than guess
+        raise _not_found(f"session {session.id}'s conversation is not in the state database")
+    key = ConversationKey(conv.agent, conv.channel, conv.chat_id)
+    name = key.media_dir_name(session.id)
+    return MediaDir(name, ctx.workspace(conv.agent) / "media" / name, conv, session)
+
+
+def media_dir_of_path(ctx: ApiContext, agent: str, mp: MediaPath) -> MediaDir:
+    """The media directory a path names, if the store knows it for `agent`; else 404."""
+    missing = _not_found(f"agent {agent!r} has no media directory {mp.dir_name!r}")
+    if mp.is_api_session:
+        session = ctx.store.get_session(SessionId(mp.rest))
+        if session is None or session.agent != agent:
+            raise missing
+        found = media_dir_of_session(ctx, session)
+        if found.name != mp.dir_name:  # a channel chat's session has no api- directory
+            raise missing
+        return found
+    conv: Conversation | None = None
+    if mp.rest.startswith("h."):
+        digest = mp.rest[2:]
+        for c in ctx.store.conversations(agent):
+            if (
+                c.channel == mp.channel
+                and ConversationKey(agent, c.channel, c.chat_id).digest == digest
+            ):
+                conv = c
+                break
+    else:
+        conv = ctx.store.get_conversation(
+            conversation_id(ConversationKey(agent, mp.channel, mp.rest))
+        )
+    if conv is None or conv.agent != agent or conv.channel == "api":
+        raise missing
+    key = ConversationKey(conv.agent, conv.channel, conv.chat_id)
+    if key.media_dir_name("") != mp.dir_name:
+        raise missing
+    return MediaDir(mp.dir_name, ctx.workspace(agent) / "media" / mp.dir_name, conv, None)
+
+
+def _exists_nofollow(base: Path, rel: str) -> bool:
+    """Does every component of `rel` exist under `base` (links not followed)?"""
+    current = base
+    for part in rel.split("/"):
+        current = current / part
+        try:
+            os.lstat(current)
+        except OSError:
+            return False
+    return True
+
+
+def open_in(media: MediaDir, rel: str, *, max_size: int = MAX_SERVE_BYTES) -> SafeFile:
+    """P5: open `rel` (relative, checked here: 400) inside the media directory; 403 P5 / 404."""
+    relative_file(rel, "file path")
+    return open_stored(media, rel, max_size=max_size)
+
+
+def open_stored(media: MediaDir, rel: str, *, max_size: int = MAX_SERVE_BYTES) -> SafeFile:
+    """P5: open a path the store holds (relative, or as the sandbox wrote it) in `media`."""
+    try:
+        st = os.lstat(media.host)
+    except FileNotFoundError:
+        raise _not_found(f"media directory {media.name!r} holds no files yet") from None
+    if not stat.S_ISDIR(st.st_mode):
+        raise ApiError(403, "forbidden", f"media directory {media.name!r} is not a plain "
+                       "directory; nothing is served", "P5")  # fmt: skip
+    try:
+        return open_media_file(media.host, rel, f"/workspace/media/{media.name}", max_size=max_size)
+    except PolicyDenied as exc:
+        if not _exists_nofollow(media.host, rel):
+            raise _not_found(f"{rel!r} does not exist in media directory {media.name!r}") from exc
+        raise ApiError(403, "forbidden", exc.reason, exc.rule) from exc
+    except CellgateError as exc:
+        raise ApiError(
+            500, "internal", f"{rel!r} in {media.name!r} could not be opened: {exc}"
+        ) from exc
+
+
+def image_type(f: SafeFile) -> str | None:
+    """The image type by magic bytes (PNG, JPEG, GIF, WebP), or None."""
+    head = os.pread(f.fd, 16, 0)
+    for magic, mime in _IMAGE_MAGIC:
+        if head.startswith(magic):
+            return mime
+    if head[:4] == b"RIFF" and head[8:12] == b"WEBP":
+        return "image/webp"
+    return None
+
+
+def _chunks(f: SafeFile) -> Iterator[bytes]:
+    try:
+        offset = 0
+        while offset < f.size:
+            chunk = os.pread(f.fd, min(_CHUNK, f.size - offset), offset)
+            if not chunk:
+                break
+            offset += len(chunk)
+            yield chunk
+    finally:
+        f.close()
+
+
+def file_response(f: SafeFile) -> StreamingResponse:
+    """Stream the checked descriptor; never a path. Active content is not rendered inline."""
+    mime = image_type(f) or mimetypes.guess_type(f.name)[0] or "application/octet-stream"
+    disposition = "inline" if mime.startswith(_INLINE) else "attachment"
+    ascii_name = f.name.encode("ascii", "replace").decode().replace('"', "_").replace("?", "_")
+    headers = {
+        "Content-Disposition": f'{disposition}; filename="{ascii_name}"',
+        "X-Content-Type-Options": "nosniff",
+        "Content-Security-Policy": "sandbox; default-src 'none'",
+        "Cache-Control": "private, no-store",
+    }
+    return StreamingResponse(_chunks(f), media_type=mime, headers=headers)
