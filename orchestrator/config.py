@@ -21,6 +21,7 @@ from pydantic import (
     StrictBool,
     ValidationError,
     field_validator,
+    model_validator,
 )
 
 from orchestrator.errors import ConfigError
@@ -75,7 +76,58 @@ class ShellHarness(_Model):
     timeout_seconds: float = Field(60, alias="timeoutSeconds", gt=0)
 
 
-HarnessConfig = Annotated[ShellHarness, Field(discriminator="type")]
+class CommandHarness(_Model):
+    """A CLI agent run per turn in the sandbox: a preset (claude, codex) or a template (H2).
+
+    Placeholders `{prompt}` and `{session_id}`; without `{prompt}` the message
+    goes to stdin. `output` says how to read the reply and session id.
+    """
+
+    type: Literal["command"]
+    preset: Literal["claude", "codex"] | None = None
+    argv: tuple[str, ...] | None = Field(None, min_length=1)
+    resume_argv: tuple[str, ...] | None = Field(None, alias="resumeArgv", min_length=1)
+    output: Literal["text", "claude-json", "codex-jsonl"] | None = None
+    timeout_seconds: float = Field(300, alias="timeoutSeconds", gt=0)
+
+    @model_validator(mode="after")
+    def _usable(self) -> CommandHarness:
+        from orchestrator.harnesses.command import CommandTemplate
+
+        if self.preset is None and self.argv is None:
+            raise ValueError("give a `preset` (claude or codex) or the command's `argv`")
+        if self.preset is None:
+            assert self.argv is not None
+            CommandTemplate(self.argv, self.resume_argv, self.output or "text")
+        return self
+
+
+class OpenAIHarness(_Model):
+    """A model behind an OpenAI-compatible API; its loop runs in the gateway, tools in the
+    sandbox; the key (`apiKey`, or the gateway variable named by `apiKeyEnv`) stays here."""
+
+    type: Literal["openai"]
+    base_url: str = Field(alias="baseUrl", pattern=r"^https?://[^\s]+$")
+    model: str = Field(min_length=1)
+    api_key: SecretStr | None = Field(None, alias="apiKey")
+    api_key_env: str | None = Field(None, alias="apiKeyEnv", pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")
+    max_steps: int = Field(8, alias="maxSteps", ge=1, le=64)
+    request_timeout_seconds: float = Field(60, alias="requestTimeoutSeconds", gt=0)
+    tool_timeout_seconds: float = Field(60, alias="toolTimeoutSeconds", gt=0)
+    bridge_tools: StrictBool = Field(True, alias="bridgeTools")
+    temperature: float | None = Field(None, ge=0, le=2)
+    max_history_messages: int = Field(200, alias="maxHistoryMessages", ge=2)
+
+    @model_validator(mode="after")
+    def _one_key_source(self) -> OpenAIHarness:
+        if self.api_key is not None and self.api_key_env is not None:
+            raise ValueError("give `apiKey` or `apiKeyEnv`, not both (prefer apiKeyEnv)")
+        return self
+
+
+HarnessConfig = Annotated[
+    ShellHarness | CommandHarness | OpenAIHarness, Field(discriminator="type")
+]
 
 
 class ClaudeSettings(_Model):

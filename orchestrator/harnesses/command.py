@@ -1,0 +1,310 @@
+"""The generic command harness (H2): a CLI agent run once per turn inside the sandbox.
+
+A turn runs a command template with `ctx.backend.exec`, in the session's
+environment (`ctx.env`, which carries `CLAUDE_CODE_DISABLE_AUTO_MEMORY=1`, T3)
+and working directory. Two placeholders exist, each replaced inside an argv
+element, in one pass: `{prompt}` (the message) and `{session_id}` (the harness
+session to resume). Nothing goes through a shell. A template without
+`{prompt}` gets the message on stdin, which is what the presets do, so a
+message that starts with `-` can never be read as a flag.
+
+Presets:
+- `claude`: `claude -p --output-format json [--resume <sid>]`, prompt on
+  stdin; the reply is `result` and the session is `session_id` of its JSON.
+- `codex`: `codex exec --json --skip-git-repo-check [resume <sid>] -`; the
+  session is the `thread_id` of `thread.started` and the reply the last
+  `agent_message` item of its JSONL.
+
+The session id comes back from code running in the sandbox, so it is read
+only from the top level of the output and used only if it looks like an id
+(no leading `-`, no spaces). Resuming: `dispatch` takes a saved id from
+`meta["resume"]` when this process knows none for the conversation (D3), and
+reports the id in `DispatchResult.meta["harness_session_id"]`. A resume that
+fails is retried once from cold.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from orchestrator.harnesses.base import DispatchResult, Harness, SessionContext
+
+__all__ = [
+    "MAX_REPLY_CHARS",
+    "PRESETS",
+    "CommandHarness",
+    "CommandTemplate",
+    "OutputFormat",
+    "ParsedOutput",
+    "expand",
+    "parse_output",
+    "valid_session_id",
+]
+
+logger = logging.getLogger(__name__)
+
+MAX_REPLY_CHARS = 16_000
+OutputFormat = Literal["text", "claude-json", "codex-jsonl"]
+PLACEHOLDER = re.compile(r"\{(prompt|session_id)\}")
+ANY_PLACEHOLDER = re.compile(r"\{([A-Za-z_][A-Za-z0-9_]*)\}")
+_SESSION_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
+
+
+def valid_session_id(value: object) -> str | None:
+    """`value` if it is a plausible harness session id, else None."""
+    return value if isinstance(value, str) and _SESSION_ID.fullmatch(value) else None
+
+
+@dataclass(frozen=True, slots=True)
+class CommandTemplate:
+    """How to start a turn (`argv`), how to resume one (`resume_argv`), how to read it."""
+
+    argv: tuple[str, ...]
+    resume_argv: tuple[str, ...] | None = None
+    output: OutputFormat = "text"
+
+    def __post_init__(self) -> None:
+        if not self.argv:
+            raise ValueError("argv is empty: give the command to run")
+        for part in (*self.argv, *(self.resume_argv or ())):
+            for name in ANY_PLACEHOLDER.findall(part):
+                if name not in ("prompt", "session_id"):
+                    raise ValueError(
+                        f"unknown placeholder {{{name}}} in {part!r}: use {{prompt}} or "
+                        "{session_id}"
+                    )
+        if self.resume_argv is not None and not any("{session_id}" in p for p in self.resume_argv):
+            raise ValueError("resumeArgv must contain {session_id}: it names the session to resume")
+
+    def prompt_on_stdin(self, resume: bool) -> bool:
+        argv = self.resume_argv if resume and self.resume_argv else self.argv
+        return not any("{prompt}" in p for p in argv)
+
+
+PRESETS: dict[str, CommandTemplate] = {
+    "claude": CommandTemplate(
+        argv=("claude", "-p", "--output-format", "json"),
+        resume_argv=("claude", "-p", "--output-format", "json", "--resume", "{session_id}"),
+        output="claude-json",
+    ),
+    "codex": CommandTemplate(
+        argv=("codex", "exec", "--json", "--skip-git-repo-check", "-"),
+        resume_argv=(
+            "codex",
+            "exec",
+            "--json",
+            "--skip-git-repo-check",
+            "resume",
+            "{session_id}",
+            "-",
+        ),
+        output="codex-jsonl",
+    ),
+}
+
+
+def expand(argv: Sequence[str], prompt: str, session_id: str) -> list[str]:
+    """Replace `{prompt}` and `{session_id}` in each element, in one pass (no re-expansion)."""
+    values = {"prompt": prompt.replace("\0", ""), "session_id": session_id}
+    return [PLACEHOLDER.sub(lambda m: values[m.group(1)], part) for part in argv]
+
+
+@dataclass(frozen=True, slots=True)
+class ParsedOutput:
+    ok: bool
+    reply: str
+    session_id: str | None
+
+
+def _cap(text: str) -> str:
+    if len(text) > MAX_REPLY_CHARS:
+        return text[:MAX_REPLY_CHARS] + "\n[output truncated]"
+    return text
+
+
+def _json_objects(text: str) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = []
+    for line in text.splitlines():
+        line = line.strip()
+        if not line.startswith("{"):
+            continue
+        try:
+            doc = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(doc, dict):
+            out.append(doc)
+    return out
+
+
+def _parse_claude(stdout: str) -> ParsedOutput:
+    doc: object
+    try:
+        doc = json.loads(stdout)
+    except ValueError:
+        results = [d for d in _json_objects(stdout) if d.get("type") == "result"]
+        doc = results[-1] if results else None
+    if not isinstance(doc, dict):
+        return ParsedOutput(False, "the agent's output was not the JSON claude prints", None)
+    sid = valid_session_id(doc.get("session_id"))
+    result = doc.get("result")
+    reply = result if isinstance(result, str) else ""
+    failed = doc.get("is_error") is True or (
+        isinstance(doc.get("subtype"), str) and str(doc.get("subtype")).startswith("error")
+    )
+    if failed and not reply:
+        reply = f"the agent stopped: {doc.get('subtype', 'error')}"
+    return ParsedOutput(not failed and isinstance(result, str), reply, sid)
+
+
+def _parse_codex(stdout: str) -> ParsedOutput:
+    sid: str | None = None
+    reply: str | None = None
+    error: str | None = None
+    for ev in _json_objects(stdout):
+        kind = ev.get("type")
+        if kind == "thread.started":
+            sid = valid_session_id(ev.get("thread_id")) or sid
+        elif kind == "item.completed" and isinstance(ev.get("item"), dict):
+            item = ev["item"]
+            item_type = item.get("type", item.get("item_type"))
+            if item_type in ("agent_message", "assistant_message") and isinstance(
+                item.get("text"), str
+            ):
+                reply = item["text"]
+        elif kind == "turn.failed":
+            err = ev.get("error")
+            msg = err.get("message") if isinstance(err, dict) else None
+            error = msg if isinstance(msg, str) else "the turn failed"
+        elif kind == "error" and isinstance(ev.get("message"), str):
+            error = ev["message"]
+    if error is not None:
+        return ParsedOutput(False, f"the agent failed: {error}", sid)
+    if reply is None:
+        return ParsedOutput(False, "the agent's output held no agent message", sid)
+    return ParsedOutput(True, reply, sid)
+
+
+def parse_output(fmt: OutputFormat, stdout: bytes) -> ParsedOutput:
+    """Read a turn's reply and session id from the command's standard output."""
+    text = stdout.decode("utf-8", "replace")
+    if fmt == "claude-json":
+        parsed = _parse_claude(text)
+    elif fmt == "codex-jsonl":
+        parsed = _parse_codex(text)
+    else:
+        parsed = ParsedOutput(True, text, None)
+    return ParsedOutput(parsed.ok, _cap(parsed.reply), parsed.session_id)
+
+
+class CommandHarness(Harness):
+    """Runs `template` in the sandbox once per turn; resumes the conversation's session."""
+
+    def __init__(self, template: CommandTemplate, *, timeout_seconds: float = 300.0) -> None:
+        self.template = template
+        self.timeout_seconds = timeout_seconds
+        self._sessions: dict[Any, str] = {}
+        self._reset: set[Any] = set()
+
+    @classmethod
+    def preset(
+        cls,
+        name: str,
+        *,
+        extra_flags: Sequence[str] = (),
+        argv: Sequence[str] | None = None,
+        resume_argv: Sequence[str] | None = None,
+        timeout_seconds: float = 300.0,
+    ) -> CommandHarness:
+        """A preset, with `extra_flags` after its first word (e.g. `claude.extraFlags`)."""
+        base = PRESETS[name]
+        first = tuple(argv) if argv is not None else base.argv
+        again = tuple(resume_argv) if resume_argv is not None else base.resume_argv
+        flags = tuple(extra_flags)
+        template = CommandTemplate(
+            argv=(first[0], *flags, *first[1:]),
+            resume_argv=(again[0], *flags, *again[1:]) if again else None,
+            output=base.output,
+        )
+        return cls(template, timeout_seconds=timeout_seconds)
+
+    def _key(self, ctx: SessionContext) -> Any:
+        return (ctx.conversation, ctx.session_key)
+
+    async def ensure_session(self, ctx: SessionContext) -> str:
+        """The harness session id this process knows for the conversation, or "" if none yet."""
+        return self._sessions.get(self._key(ctx), "")
+
+    async def _run(
+        self, ctx: SessionContext, message: str, session_id: str | None
+    ) -> tuple[ParsedOutput, int, bool, bytes]:
+        resume = session_id is not None and self.template.resume_argv is not None
+        argv = self.template.resume_argv if resume else self.template.argv
+        assert argv is not None
+        on_stdin = self.template.prompt_on_stdin(resume)
+        result = await ctx.backend.exec(
+            ctx.sandbox,
+            expand(argv, "" if on_stdin else message, session_id or ""),
+            env=ctx.env,
+            stdin=message.encode("utf-8") if on_stdin else None,
+            timeout=self.timeout_seconds,
+            workdir=ctx.workdir,
+        )
+        if result.timed_out:
+            parsed = ParsedOutput(False, f"[timed out after {self.timeout_seconds:g} s]", None)
+        else:
+            parsed = parse_output(self.template.output, result.stdout)
+            if result.exit_code != 0:
+                parsed = ParsedOutput(False, parsed.reply, parsed.session_id)
+        return parsed, result.exit_code, result.timed_out, result.stderr
+
+    async def dispatch(
+        self, ctx: SessionContext, message: str, meta: Mapping[str, Any]
+    ) -> DispatchResult:
+        turn_id = uuid.uuid4().hex
+        key = self._key(ctx)
+        saved = None if key in self._reset else valid_session_id(meta.get("resume"))
+        prior = self._sessions.get(key) or saved
+        parsed, code, timed_out, stderr = await self._run(ctx, message, prior)
+        resumed = prior is not None and self.template.resume_argv is not None
+        retried = False
+        if resumed and not parsed.ok and not timed_out:
+            logger.info(
+                "resuming harness session failed (exit %s); starting cold",
+                code,
+                extra={"conversation": ctx.conversation.digest},
+            )
+            self._sessions.pop(key, None)
+            parsed, code, timed_out, stderr = await self._run(ctx, message, None)
+            resumed, retried = False, True
+        sid = parsed.session_id or (prior if resumed else None)
+        if sid is not None:
+            self._sessions[key] = sid
+            self._reset.discard(key)
+        reply = parsed.reply
+        if not parsed.ok and not reply.strip():
+            tail = stderr.decode("utf-8", "replace").strip()[-2000:]
+            reply = f"the agent command failed (exit {code})" + (f": {tail}" if tail else "")
+        return DispatchResult(
+            ok=parsed.ok,
+            reply=reply,
+            turn_id=turn_id,
+            meta={
+                "harness_session_id": self._sessions.get(key),
+                "exit_code": code,
+                "timed_out": timed_out,
+                "resumed": resumed,
+                "resume_failed": retried,
+            },
+        )
+
+    async def reset_session(self, ctx: SessionContext) -> None:
+        """Forget the session id; the next turn starts a new session (it ignores `resume`)."""
+        self._sessions.pop(self._key(ctx), None)
+        self._reset.add(self._key(ctx))
