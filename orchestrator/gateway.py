@@ -1,7 +1,8 @@
 """The gateway: agents, their sandboxes and harnesses, and one turn end to end.
 
-Turns of one conversation run one at a time, in order; conversations run in
-parallel under a global bound (`gateway.maxConcurrentTurns`).
+Every message goes through the durable turn loop (`orchestrator.turns`): it is
+stored before it is acknowledged, turns of one conversation run in order, and
+a restarted gateway finishes what a crash interrupted (D1, D2).
 """
 
 from __future__ import annotations
@@ -9,28 +10,40 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
+from channels.base import Channel, OutboundMessage
 from orchestrator.apps import InstalledApp
 from orchestrator.config import AgentConfig, GatewayConfig
 from orchestrator.conversations import ConversationKey
-from orchestrator.errors import AgentUnavailable, AppError, TurnTimeout, UnknownAgent
+from orchestrator.errors import AgentUnavailable, AppError, CellgateError, TurnTimeout, UnknownAgent
 from orchestrator.harnesses.base import DispatchResult, Harness, SessionContext
 from orchestrator.harnesses.shell import ShellHarness
 from orchestrator.sandboxes import ConversationSandboxes
+from orchestrator.store import Conversation, Message, MessageId, Reply, SessionId, Store
+from orchestrator.transcripts import append_transcript, load_session_id, save_session_id
+from orchestrator.turns import TurnAnswer, TurnLoop
 from policies.tools import session_env_flags
 from sandbox.backends.base import SandboxBackend
+from sandbox.spec import LABEL_CONVERSATION, LABEL_MANAGED, LABEL_SPEC_HASH
 
 logger = logging.getLogger(__name__)
 
 
 def build_harness(agent: AgentConfig) -> Harness:
+    from orchestrator import config
+    from orchestrator.harnesses.command import CommandHarness
+    from orchestrator.harnesses.openai import OpenAIHarness
+
     h = agent.harness
-    match h.type:
-        case "shell":
-            return ShellHarness(timeout_seconds=h.timeout_seconds)
+    if isinstance(h, config.CommandHarness):
+        return CommandHarness.from_config(h, claude_flags=agent.claude.extra_flags)
+    if isinstance(h, config.OpenAIHarness):
+        return OpenAIHarness.from_config(h)
+    return ShellHarness(timeout_seconds=h.timeout_seconds)
 
 
 @dataclass
@@ -49,10 +62,13 @@ class TurnOutcome:
     result: DispatchResult
 
 
-@dataclass
-class _Activity:
-    busy: int = 0
-    last_end: float = field(default_factory=time.time)
+@dataclass(frozen=True, slots=True)
+class _Ran:
+    """What the turn that answered a message left for a caller waiting on it."""
+
+    sandbox: str
+    result: DispatchResult | None
+    error: CellgateError | None
 
 
 class Gateway:
@@ -61,17 +77,20 @@ class Gateway:
         config: GatewayConfig,
         backend: SandboxBackend,
         *,
+        store: Store | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.config = config
         self.backend = backend
         self.clock = clock
-        self.agents: dict[str, AgentRuntime] = {}
-        self._locks: dict[tuple[str, str, str], asyncio.Lock] = {}
-        self._bound = asyncio.Semaphore(config.gateway.max_concurrent_turns)
-        self.activity: dict[str, _Activity] = {}
-        for agent in config.agents:
-            self.agents[agent.id] = self._runtime(agent)
+        self.store = store or Store.open(config.gateway.state_dir, clock=clock)
+        self.agents: dict[str, AgentRuntime] = {a.id: self._runtime(a) for a in config.agents}
+        self.channels: dict[str, Channel] = {}
+        self.loop = TurnLoop(
+            self.store, self._run_turn, self._deliver, bound=config.gateway.max_concurrent_turns
+        )
+        self._ran: dict[MessageId, _Ran] = {}
+        self._started = False
 
     def _runtime(self, agent: AgentConfig) -> AgentRuntime:
         rt = AgentRuntime(agent, build_harness(agent), started_isolated=agent.isolate_memory)
@@ -86,18 +105,124 @@ class Gateway:
         rt.sandboxes = ConversationSandboxes(app, self.config.gateway, self.backend)
         return rt
 
+    # -- lifecycle ---------------------------------------------------------
+
+    async def start(self) -> None:
+        """Recovery (D2): remove orphaned or stale sandboxes, then finish pending messages."""
+        if self._started:
+            return
+        self._started = True
+        await self.reconcile_sandboxes()
+        await self.loop.recover()
+
+    async def reconcile_sandboxes(self) -> int:
+        """Remove containers whose conversation is unknown, or whose spec is stale."""
+        removed = 0
+        known = {c.id: c for c in await asyncio.to_thread(self.store.conversations)}
+        for info in await self.backend.list({LABEL_MANAGED: "1"}):
+            conv = known.get(info.labels.get(LABEL_CONVERSATION, ""))
+            stale = conv is None
+            if conv is not None:
+                rt = self.agents.get(conv.agent)
+                if rt is None or rt.sandboxes is None:
+                    stale = True
+                else:
+                    key = ConversationKey(conv.agent, conv.channel, conv.chat_id)
+                    session = await self._session(conv, rt)
+                    spec, _ = await rt.sandboxes.spec_for(key, session)
+                    stale = info.labels.get(LABEL_SPEC_HASH) != spec.spec_hash()
+            if stale:
+                logger.info("removing sandbox %s (no conversation or stale spec)", info.name)
+                await self.backend.remove(info.name)
+                await asyncio.to_thread(self.store.forget_sandbox, info.name)
+                removed += 1
+        return removed
+
+    async def close(self) -> None:
+        await self.loop.close()
+        await self.backend.close()
+        self.store.close()
+
+    # -- intake ------------------------------------------------------------
+
     def agent(self, agent_id: str) -> AgentRuntime:
         rt = self.agents.get(agent_id)
         if rt is None:
             raise UnknownAgent(agent_id)
         return rt
 
-    def _lock(self, key: ConversationKey) -> asyncio.Lock:
-        k = (key.agent, key.channel, key.chat_id)
-        lock = self._locks.get(k)
-        if lock is None:
-            lock = self._locks[k] = asyncio.Lock()
-        return lock
+    def _runnable(self, agent_id: str) -> AgentRuntime:
+        rt = self.agent(agent_id)
+        if rt.sandboxes is None:
+            reason = (
+                f"its app {rt.config.app!r} is not installed"
+                if rt.config.app
+                else "host agents are not served by this gateway yet; declare it in an app"
+            )
+            raise AgentUnavailable(agent_id, reason)
+        return rt
+
+    async def submit(
+        self,
+        agent_id: str,
+        channel: str,
+        chat_id: str,
+        text: str,
+        *,
+        message_id: str | None = None,
+        sender: str = "",
+    ) -> tuple[Message, bool]:
+        """Store the message (idempotent on its platform id) and queue its turn."""
+        await self.start()
+        self._runnable(agent_id)
+        key = ConversationKey(agent_id, channel, chat_id)
+        conv = await asyncio.to_thread(self.store.upsert_conversation, key)
+        msg, created = await asyncio.to_thread(
+            self.store.accept_message,
+            conv.id,
+            message_id or uuid.uuid4().hex,
+            sender=sender,
+            text=text,
+        )
+        self.loop.wake(conv.id)
+        return msg, created
+
+    async def turn(
+        self,
+        agent_id: str,
+        channel: str,
+        chat_id: str,
+        text: str,
+        meta: dict[str, Any] | None = None,
+        *,
+        message_id: str | None = None,
+    ) -> TurnOutcome:
+        """Submit a message and wait for its reply (the synchronous form)."""
+        msg, _ = await self.submit(agent_id, channel, chat_id, text, message_id=message_id)
+        key = ConversationKey(agent_id, channel, chat_id)
+        timeout = self.config.gateway.turn_timeout_seconds + 30
+        try:
+            reply = await self.loop.wait(msg.id, timeout)
+        except TimeoutError as exc:
+            raise TurnTimeout(timeout) from exc
+        ran = self._ran.pop(msg.id, None)
+        if ran is not None and ran.error is not None:
+            raise ran.error
+        if ran is not None and ran.result is not None:
+            return TurnOutcome(key, ran.sandbox, ran.result)
+        result = DispatchResult(ok=True, reply=reply.text, turn_id=str(msg.id), meta={})
+        return TurnOutcome(key, ran.sandbox if ran else "", result)
+
+    # -- one turn ----------------------------------------------------------
+
+    async def _session(self, conv: Conversation, rt: AgentRuntime) -> SessionId:
+        live = await asyncio.to_thread(self.store.live_sessions, conversation=conv.id)
+        if live:
+            return live[0].id
+        session = await asyncio.to_thread(
+            self.store.open_session, conv.id, rt.config.harness.type
+        )
+        return session.id
 
     def session_env(self, key: ConversationKey, home: str) -> dict[str, str]:
         """A session's environment: its origin, its home, and no secret (K1, P1, T3)."""
@@ -108,50 +233,112 @@ class Gateway:
             **session_env_flags(),
         }
 
-    async def turn(
-        self, agent_id: str, channel: str, chat_id: str, text: str, meta: dict[str, Any] | None = None
-    ) -> TurnOutcome:
-        rt = self.agent(agent_id)
-        key = ConversationKey(agent_id, channel, chat_id)
-        if rt.sandboxes is None:
-            reason = (
-                f"its app {rt.config.app!r} is not installed"
-                if rt.config.app
-                else "host agents are not served by this gateway yet; declare it in an app"
+    async def _run_turn(self, conv: Conversation, message: Message) -> TurnAnswer:
+        rt = self._runnable(conv.agent)
+        assert rt.sandboxes is not None
+        key = ConversationKey(conv.agent, conv.channel, conv.chat_id)
+        session_id = await self._session(conv, rt)
+        turn = await asyncio.to_thread(self.store.start_turn, session_id, message.id)
+        sandbox = ""
+        ok = False
+        harness_turn: str | None = None
+        try:
+            prepared = await rt.sandboxes.ensure(key, session_id)
+            sandbox = prepared.handle.name
+            await asyncio.to_thread(
+                self.store.record_sandbox,
+                sandbox,
+                conversation=conv.id,
+                app=prepared.spec.app,
+                agent=conv.agent,
+                spec_hash=prepared.handle.spec_hash,
             )
-            raise AgentUnavailable(agent_id, reason)
-        timeout = self.config.gateway.turn_timeout_seconds
-        async with self._lock(key), self._bound:
-            prepared = await rt.sandboxes.ensure(key)
-            act = self.activity.setdefault(prepared.handle.name, _Activity())
-            act.busy += 1
+            chat_dir = prepared.paths.chat_dir
+            ctx = SessionContext(
+                conversation=key,
+                session_key=session_id,
+                backend=self.backend,
+                sandbox=prepared.handle,
+                env=self.session_env(key, prepared.spec.home),
+                workdir=prepared.spec.workdir,
+            )
+            timeout = self.config.gateway.turn_timeout_seconds
             try:
-                ctx = SessionContext(
-                    conversation=key,
-                    session_key=rt.sandboxes.session_id(key),
-                    backend=self.backend,
-                    sandbox=prepared.handle,
-                    env=self.session_env(key, prepared.spec.home),
-                    workdir=prepared.spec.workdir,
-                )
-                try:
-                    async with asyncio.timeout(timeout):
-                        await rt.harness.ensure_session(ctx)
-                        result = await rt.harness.dispatch(ctx, text, meta or {})
-                except TimeoutError as exc:
-                    raise TurnTimeout(timeout) from exc
-            finally:
-                act.busy -= 1
-                act.last_end = self.clock()
-        return TurnOutcome(key, prepared.handle.name, result)
+                async with asyncio.timeout(timeout):
+                    await rt.harness.ensure_session(ctx)
+                    result = await rt.harness.dispatch(
+                        ctx, message.text, {"resume": await asyncio.to_thread(load_session_id, chat_dir)}
+                    )
+            except TimeoutError as exc:
+                raise TurnTimeout(timeout) from exc
+            ok, harness_turn = result.ok, result.turn_id
+            await asyncio.to_thread(self._save_turn, chat_dir, session_id, message, result)
+            self._ran[message.id] = _Ran(sandbox, result, None)
+            return TurnAnswer(result.ok, result.reply)
+        except CellgateError as exc:
+            self._ran[message.id] = _Ran(sandbox, None, exc)
+            raise
+        finally:
+            await asyncio.to_thread(
+                self.store.finish_turn, turn.id, ok=ok, harness_turn_id=harness_turn
+            )
 
-    def last_active(self, sandbox: str) -> float | None:
-        act = self.activity.get(sandbox)
-        return act.last_end if act else None
+    def _save_turn(
+        self, chat_dir: Any, session_id: str, message: Message, result: DispatchResult
+    ) -> None:
+        """D3: the transcript and the harness session id, after every turn."""
+        now = self.clock()
+        append_transcript(
+            chat_dir,
+            [
+                {"at": message.received_at, "role": "user", "message": message.id,
+                 "text": message.text},
+                {"at": now, "role": "assistant", "message": message.id, "ok": result.ok,
+                 "turn": result.turn_id, "text": result.reply},
+            ],
+        )
+        harness_sid = result.meta.get("harness_session_id")
+        save_session_id(chat_dir, session_id, harness_sid if isinstance(harness_sid, str) else None)
 
-    def busy(self, sandbox: str) -> bool:
-        act = self.activity.get(sandbox)
-        return bool(act and act.busy)
+    async def _deliver(self, conv: Conversation, reply: Reply) -> None:
+        if conv.channel == "api":
+            return  # the API caller reads the stored reply
+        channel = self.channels.get(conv.channel)
+        if channel is None:
+            raise AgentUnavailable(conv.agent, f"channel {conv.channel!r} is not running")
+        await channel.send(
+            OutboundMessage(channel=conv.channel, chat_id=conv.chat_id,
+                            outbound_key=reply.outbound_key, text=reply.text)
+        )
 
-    async def close(self) -> None:
-        await self.backend.close()
+    # -- reaping -----------------------------------------------------------
+
+    async def run_reaper(self, interval: float = 60.0) -> None:
+        """S5: remove sandboxes idle past `sandboxIdleMinutes` after their last turn."""
+        idle = self.config.gateway.sandbox_idle_minutes * 60
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                await self.reap_once(idle)
+            except CellgateError as exc:
+                logger.error("reaper: %s", exc)
+
+    async def reap_once(self, idle_seconds: float) -> list[str]:
+        removed: list[str] = []
+        now = self.clock()
+        for sb in await asyncio.to_thread(self.store.sandboxes):
+            live = await asyncio.to_thread(
+                self.store.live_sessions, conversation=sb.conversation_id
+            )
+            if any(s.busy for s in live):
+                continue
+            last = max([sb.last_used_at, *(s.last_active_at for s in live)])
+            if now - last < idle_seconds:
+                continue
+            await self.backend.remove(sb.name)
+            await asyncio.to_thread(self.store.forget_sandbox, sb.name)
+            for s in live:
+                await asyncio.to_thread(self.store.end_session, s.id)
+            removed.append(sb.name)
+            logger.info("reaped idle sandbox %s", sb.name)
+        return removed

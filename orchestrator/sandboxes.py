@@ -87,15 +87,13 @@ class ConversationSandboxes:
             self._image = await self.backend.image_facts(self.app.image_id)
         return self._image
 
-    def session_id(self, key: ConversationKey) -> str:
-        """The conversation's current session (one per conversation until a reset)."""
-        return f"s-{key.digest[:12]}"
-
-    async def spec_for(self, key: ConversationKey) -> tuple[SandboxSpec, ConversationPaths]:
+    async def spec_for(
+        self, key: ConversationKey, session_id: str
+    ) -> tuple[SandboxSpec, ConversationPaths]:
         image = await self.image()
         user = sandbox_user(self.app.user, image.user)
         uid, gid = (int(x) for x in user.split(":"))
-        paths = conversation_paths(self.app.agent_root, self.app.workspace, key, self.session_id(key))
+        paths = conversation_paths(self.app.agent_root, self.app.workspace, key, session_id)
 
         def prepare() -> SandboxSpec:
             ensure_conversation(paths, uid, gid)
@@ -118,8 +116,8 @@ class ConversationSandboxes:
 
         return await asyncio.to_thread(prepare), paths
 
-    async def ensure(self, key: ConversationKey) -> PreparedSandbox:
-        spec, paths = await self.spec_for(key)
+    async def ensure(self, key: ConversationKey, session_id: str) -> PreparedSandbox:
+        spec, paths = await self.spec_for(key, session_id)
         handle = await self.backend.ensure(spec)
         logger.debug("sandbox %s ready", handle.name, extra={"conversation": key.digest})
         return PreparedSandbox(spec, paths, handle)
