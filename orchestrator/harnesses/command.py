@@ -33,6 +33,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from orchestrator import config
 from orchestrator.harnesses.base import DispatchResult, Harness, SessionContext
 
 __all__ = [
@@ -233,6 +234,24 @@ class CommandHarness(Harness):
             output=base.output,
         )
         return cls(template, timeout_seconds=timeout_seconds)
+
+    @classmethod
+    def from_config(
+        cls, cfg: config.CommandHarness, *, claude_flags: Sequence[str] = ()
+    ) -> CommandHarness:
+        """From `agents[].harness`; `claude_flags` (`claude.extraFlags`) go to the claude preset."""
+        if cfg.preset is not None:
+            return cls.preset(
+                cfg.preset,
+                extra_flags=claude_flags if cfg.preset == "claude" else (),
+                argv=cfg.argv,
+                resume_argv=cfg.resume_argv,
+                timeout_seconds=cfg.timeout_seconds,
+            )
+        if cfg.argv is None:
+            raise ValueError("a command harness needs a preset or argv")
+        template = CommandTemplate(cfg.argv, cfg.resume_argv, cfg.output or "text")
+        return cls(template, timeout_seconds=cfg.timeout_seconds)
 
     def _key(self, ctx: SessionContext) -> Any:
         return (ctx.conversation, ctx.session_key)

@@ -39,6 +39,7 @@ from typing import Any
 import httpx
 from pydantic import SecretStr
 
+from orchestrator import config
 from orchestrator.harnesses.base import DispatchResult, Harness, SessionContext
 from orchestrator.harnesses.command import valid_session_id
 from sandbox.backends.base import ExecResult
@@ -224,6 +225,22 @@ class OpenAIHarness(Harness):
             "read_file": self._read_file,
             "write_file": self._write_file,
         }
+
+    @classmethod
+    def from_config(cls, cfg: config.OpenAIHarness) -> OpenAIHarness:
+        """From `agents[].harness` (`type: openai`)."""
+        return cls(
+            base_url=cfg.base_url,
+            model=cfg.model,
+            api_key=cfg.api_key,
+            api_key_env=cfg.api_key_env,
+            max_steps=cfg.max_steps,
+            request_timeout_seconds=cfg.request_timeout_seconds,
+            tool_timeout_seconds=cfg.tool_timeout_seconds,
+            bridge_tools=BRIDGE_TOOLS if cfg.bridge_tools else (),
+            temperature=cfg.temperature,
+            max_history_messages=cfg.max_history_messages,
+        )
 
     # -- session state -----------------------------------------------------
 
