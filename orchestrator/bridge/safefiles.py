@@ -127,13 +127,26 @@ class SafeFile:
 
 
 def _facts(
-    rel: str, media: str, kind: FileKind, *, symlink: bool = False, max_size: int
+    rel: str,
+    media: str,
+    kind: FileKind,
+    *,
+    symlink: bool = False,
+    max_size: int,
+    parent: int | None = None,
 ) -> FileFacts:
-    """Facts for a file that could not be opened (the decision is always a refusal)."""
+    """Facts for a file that is not opened (the decision is always a refusal).
+
+    `parent` is the descriptor of the directory holding it, when it was reached.
+    """
+    resolved = None
+    if parent is not None and kind not in ("missing", "symlink"):
+        where = _fd_path(parent)
+        resolved = f"{where}/{rel.rsplit('/', 1)[-1]}" if where else None
     return FileFacts(
         requested=rel,
         media_dir=media,
-        resolved=None,
+        resolved=resolved,
         kind=kind,
         nlink=0,
         symlink_in_path=symlink,
@@ -158,9 +171,12 @@ def _open_failed(exc: OSError, name: str, parent: int, rel: str, media: str, cap
     except OSError as inner:
         raise _refuse(_facts(rel, media, "missing", max_size=cap)) from inner
     kind = _kind(st.st_mode)
-    if kind == "regular" and exc.errno not in (errno.ELOOP, errno.ENOTDIR, errno.ENXIO):
+    if kind == "regular" and exc.errno == errno.ENOTDIR:
+        kind = "missing"  # a file where a directory was named: nothing by that path
+    elif kind == "regular":
         raise BridgeError("internal", f"could not open {rel!r}: {exc.strerror}") from exc
-    raise _refuse(_facts(rel, media, kind, symlink=kind == "symlink", max_size=cap)) from exc
+    facts = _facts(rel, media, kind, symlink=kind == "symlink", max_size=cap, parent=parent)
+    raise _refuse(facts) from exc
 
 
 def open_media_file(
@@ -201,7 +217,9 @@ def open_media_file(
         if not stat.S_ISREG(before.st_mode):
             # never open a device, FIFO or socket: an open alone can have effects
             kind = _kind(before.st_mode)
-            raise _refuse(_facts(rel, media, kind, symlink=kind == "symlink", max_size=max_size))
+            symlink = kind == "symlink"
+            facts = _facts(rel, media, kind, symlink=symlink, max_size=max_size, parent=held[-1])
+            raise _refuse(facts)
         try:
             fd = os.open(name, _FILE_FLAGS, dir_fd=held[-1])
         except OSError as exc:

@@ -25,6 +25,7 @@ import contextlib
 import json
 import logging
 import os
+import socket
 import stat
 import uuid
 from dataclasses import dataclass, field
@@ -59,6 +60,7 @@ class _Binding:
     inode: tuple[int, int]
     state: ScopeState = field(default_factory=ScopeState)
     active: int = 0
+    closed: bool = False
     tasks: set[asyncio.Task[None]] = field(default_factory=set)
 
 
@@ -120,26 +122,40 @@ class BridgeServer:
     async def _listen(self, scope: BridgeScope, path: Path) -> _Binding:
         directory = path.parent
         os.makedirs(directory, mode=0o755, exist_ok=True)
-        st = os.lstat(directory)  # the gateway made it; a link or file here is an error
-        if not stat.S_ISDIR(st.st_mode):
-            raise BridgeError("internal", f"bridge directory {directory} is not a real directory")
-        # traversable by the sandbox's uid, writable by nobody else
-        os.chmod(directory, 0o755)  # noqa: S103
-        with contextlib.suppress(FileNotFoundError):
-            if stat.S_ISDIR(os.lstat(path).st_mode):
-                raise BridgeError("internal", f"{path} is a directory, not a socket")
-            os.unlink(path)
+        try:
+            dfd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError as exc:  # the gateway made it; a link or file here is an error
+            raise BridgeError(
+                "internal", f"bridge directory {directory} is not a real directory"
+            ) from exc
+        try:
+            # traversable by the sandbox's uid, writable by nobody else
+            os.fchmod(dfd, 0o755)
+            with contextlib.suppress(FileNotFoundError):
+                if stat.S_ISDIR(os.stat(path.name, dir_fd=dfd, follow_symlinks=False).st_mode):
+                    raise BridgeError("internal", f"{path} is a directory, not a socket")
+                os.unlink(path.name, dir_fd=dfd)
+            # bound through the directory's descriptor: no path length limit (108 bytes)
+            # and no symlink on the way
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                sock.bind(f"/proc/self/fd/{dfd}/{path.name}")
+                # the sandbox's uid must connect; the directory is seen by that sandbox alone
+                os.chmod(path.name, 0o666, dir_fd=dfd)  # noqa: S103
+                sst = os.stat(path.name, dir_fd=dfd, follow_symlinks=False)
+            except BaseException:
+                sock.close()
+                raise
+        finally:
+            os.close(dfd)
         holder: dict[str, _Binding] = {}
 
         async def on_connect(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
             await self._connection(holder["b"], reader, writer)
 
         server = await asyncio.start_unix_server(
-            on_connect, path=str(path), limit=self.limits.max_request_bytes + 1
+            on_connect, sock=sock, limit=self.limits.max_request_bytes + 1
         )
-        # the sandbox's uid must connect; the directory is seen by that sandbox alone
-        os.chmod(path, 0o666)  # noqa: S103
-        sst = os.lstat(path)
         binding = _Binding(scope=scope, server=server, path=path, inode=(sst.st_dev, sst.st_ino))
         holder["b"] = binding
         return binding
@@ -165,6 +181,7 @@ class BridgeServer:
         await self.close_all()
 
     async def _shutdown(self, binding: _Binding) -> None:
+        binding.closed = True
         binding.server.close()
         for task in list(binding.tasks):
             task.cancel()
@@ -185,6 +202,8 @@ class BridgeServer:
     ) -> None:
         task = asyncio.current_task()
         try:
+            if binding.closed:
+                return  # accepted just before the socket closed
             if binding.active >= self.limits.max_connections:
                 writer.write(
                     _encode(_error(None, "busy", "too many connections to this bridge; retry"))
