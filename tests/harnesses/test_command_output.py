@@ -203,3 +203,35 @@ def test_K1_openai_key_is_a_secret_in_config() -> None:
         }
     )
     assert "sk-x1" not in repr(agent) and "sk-x1" not in agent.model_dump_json()
+
+
+def test_H2_build_harness_makes_each_configured_harness() -> None:
+    from orchestrator.gateway import build_harness
+    from orchestrator.harnesses.command import CommandHarness
+    from orchestrator.harnesses.openai import BRIDGE_TOOLS, OpenAIHarness
+    from orchestrator.harnesses.shell import ShellHarness
+
+    def agent(harness: dict[str, object], **kw: object) -> AgentConfig:
+        return AgentConfig.model_validate({"id": "bot", "harness": harness, **kw})
+
+    claude_h = build_harness(
+        agent({"type": "command", "preset": "claude"}, claude={"extraFlags": ["--model", "x"]})
+    )
+    assert isinstance(claude_h, CommandHarness)
+    assert claude_h.template.argv[:3] == ("claude", "--model", "x")
+    codex_h = build_harness(
+        agent({"type": "command", "preset": "codex"}, claude={"extraFlags": ["--model", "x"]})
+    )
+    assert isinstance(codex_h, CommandHarness) and "--model" not in codex_h.template.argv
+    ai_h = build_harness(
+        agent({"type": "openai", "baseUrl": "http://127.0.0.1:9/v1", "model": "m", "maxSteps": 3})
+    )
+    assert isinstance(ai_h, OpenAIHarness) and ai_h.max_steps == 3
+    assert {t.name for t in BRIDGE_TOOLS} <= {t.name for t in ai_h.tools}
+    quiet = build_harness(
+        agent({"type": "openai", "baseUrl": "http://h/v1", "model": "m", "bridgeTools": False})
+    )
+    assert isinstance(quiet, OpenAIHarness) and not {t.name for t in BRIDGE_TOOLS} & {
+        t.name for t in quiet.tools
+    }
+    assert isinstance(build_harness(agent({"type": "shell"})), ShellHarness)
