@@ -181,6 +181,7 @@ class _ModelFailed(Exception):
 class _Session:
     session_id: str
     messages: list[dict[str, Any]]
+    started: bool = False
 
 
 class OpenAIHarness(Harness):
@@ -220,6 +221,7 @@ class OpenAIHarness(Harness):
         self.tools: tuple[ToolSpec, ...] = (*SANDBOX_TOOLS, *bridge_tools)
         self._bridge = frozenset(t.name for t in bridge_tools)
         self._sessions: dict[Any, _Session] = {}
+        self._reset: set[Any] = set()
         self._handlers: dict[str, Callable[[SessionContext, dict[str, Any]], Any]] = {
             "shell": self._shell,
             "read_file": self._read_file,
@@ -247,19 +249,31 @@ class OpenAIHarness(Harness):
     def _key(self, ctx: SessionContext) -> Any:
         return (ctx.conversation, ctx.session_key)
 
-    def _session(self, ctx: SessionContext, meta: Mapping[str, Any]) -> _Session:
+    def _session(self, ctx: SessionContext) -> _Session:
         key = self._key(ctx)
         s = self._sessions.get(key)
         if s is None:
-            sid = valid_session_id(meta.get("resume")) or uuid.uuid4().hex
-            s = self._sessions[key] = _Session(sid, _seed_history(meta.get("history")))
+            s = self._sessions[key] = _Session(uuid.uuid4().hex, [])
+        return s
+
+    def _start(self, ctx: SessionContext, meta: Mapping[str, Any]) -> _Session:
+        """The session for this turn; its first turn adopts a saved id and history (D3)."""
+        s = self._session(ctx)
+        if not s.started:
+            s.started = True
+            if self._key(ctx) not in self._reset:
+                s.session_id = valid_session_id(meta.get("resume")) or s.session_id
+                s.messages = _seed_history(meta.get("history"))
+            self._reset.discard(self._key(ctx))
         return s
 
     async def ensure_session(self, ctx: SessionContext) -> str:
-        return self._session(ctx, {}).session_id
+        return self._session(ctx).session_id
 
     async def reset_session(self, ctx: SessionContext) -> None:
+        """Forget the history and id; the next turn ignores a saved `resume` and `history`."""
         self._sessions.pop(self._key(ctx), None)
+        self._reset.add(self._key(ctx))
 
     def history(self, ctx: SessionContext) -> list[dict[str, Any]]:
         """A copy of the session's messages (no system prompt), e.g. for persisting."""
@@ -283,7 +297,7 @@ class OpenAIHarness(Harness):
         self, ctx: SessionContext, message: str, meta: Mapping[str, Any]
     ) -> DispatchResult:
         turn_id = uuid.uuid4().hex
-        session = self._session(ctx, meta)
+        session = self._start(ctx, meta)
         system = meta.get("system_prompt")
         system = system if isinstance(system, str) else self.system_prompt
         headers = {"Content-Type": "application/json"}
