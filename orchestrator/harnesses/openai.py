@@ -384,11 +384,15 @@ class OpenAIHarness(Harness):
             calls = []
             for c in msg.get("tool_calls") or []:
                 fn = c["function"]
+                args = fn.get("arguments") or ""
                 calls.append(
                     {
                         "id": str(c["id"]),
                         "type": "function",
-                        "function": {"name": str(fn["name"]), "arguments": str(fn["arguments"])},
+                        "function": {
+                            "name": str(fn["name"]),
+                            "arguments": args if isinstance(args, str) else json.dumps(args),
+                        },
                     }
                 )
         except (ValueError, KeyError, IndexError, TypeError) as exc:

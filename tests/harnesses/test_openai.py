@@ -161,6 +161,24 @@ async def test_H1_history_is_kept_per_session_and_reset_forgets_it(
     assert [m["content"] for m in ai.requests[2].body["messages"]] == ["third"]
 
 
+async def test_H2_history_is_trimmed_to_whole_turns(
+    ai: OpenAIStandin, sandboxes: Callable[[str], Sandboxed], backend: DockerBackend
+) -> None:
+    sb = sandboxes("openai-paths")
+    ctx = sb.ctx(backend)
+    h = harness(ai, max_history_messages=3)
+    ai.script(call("shell", command="true"), final("a"), final("b"), final("c"))
+    for text in ("one", "two", "three"):
+        assert (await h.dispatch(ctx, text, {})).ok
+    # "one" took 4 messages (user, tool call, tool result, answer): it is dropped whole.
+    assert [(m["role"], m["content"]) for m in h.history(ctx)] == [
+        ("user", "three"),
+        ("assistant", "c"),
+    ]
+    assert [m["content"] for m in ai.requests[2].body["messages"]] == ["two"]
+    assert [m["content"] for m in ai.requests[3].body["messages"]] == ["two", "b", "three"]
+
+
 async def test_D3_restart_resumes_from_saved_id_and_transcript(
     ai: OpenAIStandin, sandboxes: Callable[[str], Sandboxed], backend: DockerBackend
 ) -> None:
