@@ -10,9 +10,17 @@ import abc
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from orchestrator.errors import MountVerificationFailed
+from orchestrator.errors import MountVerificationFailed, SandboxError
 from sandbox.spec import SandboxSpec
 from sandbox.verify import ObservedContainer, violations
+
+
+class SandboxNotFound(SandboxError):
+    """The engine reports that the sandbox does not exist (it may be recreated with ensure)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        super().__init__(f"sandbox {name} does not exist; `ensure` recreates it")
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,7 +69,7 @@ class SandboxBackend(abc.ABC):
         *,
         env: Mapping[str, str] | None = None,
         stdin: bytes | None = None,
-        timeout: float = 60.0,
+        timeout: float = 60.0,  # noqa: ASYNC109 - bounded by the backend, inside the sandbox
         workdir: str | None = None,
     ) -> ExecResult:
         if not argv:
@@ -78,7 +86,7 @@ class SandboxBackend(abc.ABC):
         argv: list[str],
         env: dict[str, str],
         stdin: bytes | None,
-        timeout: float,
+        timeout: float,  # noqa: ASYNC109
         workdir: str | None,
     ) -> ExecResult: ...
 
