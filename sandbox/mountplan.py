@@ -105,15 +105,11 @@ def identity(path: Path) -> tuple[EntryKind, int, int]:
 
 def _readonly_workspace_mounts(snap: WorkspaceSnapshot) -> Iterable[PlannedMount]:
     for e in snap.entries:
-        if e.kind is EntryKind.FILE and e.name in PERSONA_FILES:
-            yield PlannedMount(
-                str(snap.root / e.name), str(WORKSPACE / e.name), True, e.kind, e.dev, e.ino
-            )
-        elif (
-            e.kind is EntryKind.DIR
-            and not e.name.startswith(".")
-            and e.name not in EXCLUDED_DIRS
-        ):
+        persona = e.kind is EntryKind.FILE and e.name in PERSONA_FILES
+        shared_dir = (
+            e.kind is EntryKind.DIR and not e.name.startswith(".") and e.name not in EXCLUDED_DIRS
+        )
+        if persona or shared_dir:
             yield PlannedMount(
                 str(snap.root / e.name), str(WORKSPACE / e.name), True, e.kind, e.dev, e.ino
             )
@@ -168,6 +164,12 @@ def plan_mounts(snap: WorkspaceSnapshot, own: OwnDirs) -> MountPlan:
 
 def own_dirs(chat_dir: Path, media_dir: Path, home_dir: Path, bridge_dir: Path) -> OwnDirs:
     return OwnDirs(
-        chat_dir, identity(chat_dir), media_dir, identity(media_dir),
-        home_dir, identity(home_dir), bridge_dir, identity(bridge_dir),
+        chat_dir,
+        identity(chat_dir),
+        media_dir,
+        identity(media_dir),
+        home_dir,
+        identity(home_dir),
+        bridge_dir,
+        identity(bridge_dir),
     )

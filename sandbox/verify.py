@@ -71,9 +71,7 @@ def mount_violations(spec: SandboxSpec, observed: ObservedContainer) -> list[str
             out.append(f"{m.source} -> {m.target} is read-write; the plan has it read-only")
         if m.source != plan.source:
             if _is_parent(m.source, plan.source):
-                out.append(
-                    f"{m.target} mounts {m.source}, a parent of the planned {plan.source}"
-                )
+                out.append(f"{m.target} mounts {m.source}, a parent of the planned {plan.source}")
             else:
                 out.append(f"{m.target} mounts {m.source}; the plan has {plan.source}")
         elif m.identity != (plan.kind, plan.dev, plan.ino):
