@@ -223,9 +223,9 @@ async def test_H2_slow_model_times_out_per_request(
     ai: OpenAIStandin, sandboxes: Callable[[str], Sandboxed], backend: DockerBackend
 ) -> None:
     sb = sandboxes("openai-paths")
-    ai.script(sleep_then(3, final("late")))
-    res = await harness(ai, request_timeout_seconds=0.5).dispatch(sb.ctx(backend), "hi", {})
-    assert not res.ok and "did not answer within 0.5 s" in res.reply
+    ai.script(sleep_then(1, final("late")))
+    res = await harness(ai, request_timeout_seconds=0.3).dispatch(sb.ctx(backend), "hi", {})
+    assert not res.ok and "did not answer within 0.3 s" in res.reply
 
 
 @pytest.mark.parametrize(
