@@ -14,6 +14,7 @@ import builtins
 import contextlib
 import logging
 import math
+import os
 import secrets
 import select
 import socket
@@ -50,6 +51,7 @@ T = TypeVar("T")
 CONTROL_CONCURRENCY = 8
 EXEC_CONCURRENCY = 16
 OUTPUT_CAP = 1024 * 1024
+USER_CACHE_MAX = 4096
 KEEPALIVE_COMMAND = ("sleep", "infinity")
 EXEC_MARKER_ENV = "CELLGATE_EXEC"
 # In-sandbox `timeout` sends SIGKILL this long after SIGTERM; the gateway itself
@@ -62,6 +64,8 @@ HOST_GRACE = 3.0
 # by gVisor's own kernel for this sandbox only, and the host cgroup gets headroom.
 RUNSC_HOST_THREADS_PER_TASK = 16
 RUNSC_HOST_THREADS_BASE = 256
+
+DEFAULT_DOCKER_HOST = "unix:///var/run/docker.sock"
 
 _STREAM_HEADER = struct.Struct(">BxxxL")
 _KILL_MARKED = (
@@ -95,6 +99,7 @@ class DockerBackend(SandboxBackend):
         pool = kwargs.get("control_concurrency", CONTROL_CONCURRENCY) + kwargs.get(
             "exec_concurrency", EXEC_CONCURRENCY
         )
+        _probe_unix_socket(os.environ.get("DOCKER_HOST") or DEFAULT_DOCKER_HOST)
         try:
             client = docker.from_env(max_pool_size=pool)
         except docker.errors.DockerException as exc:
@@ -124,8 +129,14 @@ class DockerBackend(SandboxBackend):
 
     async def _ensure(self, spec: SandboxSpec) -> SandboxHandle:
         handle, user = await self._call(f"ensure {spec.name}", lambda: self._ensure_sync(spec))
-        self._users[handle.container_id] = user
+        self._remember_user(handle.container_id, user)
         return handle
+
+    def _remember_user(self, container_id: str, user: str) -> None:
+        """A small cache: a container's user never changes, but containers come and go."""
+        if len(self._users) >= USER_CACHE_MAX:
+            self._users.clear()
+        self._users[container_id] = user
 
     async def inspect(self, name: str) -> ObservedContainer:
         return await self._call(f"inspect {name}", lambda: self._inspect_sync(name))
@@ -153,7 +164,7 @@ class DockerBackend(SandboxBackend):
             user = await self._call(
                 f"inspect {handle.name}", lambda: self._container_user(handle.container_id)
             )
-            self._users[handle.container_id] = user
+            self._remember_user(handle.container_id, user)
         job = _ExecJob(handle.container_id, user, argv, env, stdin, timeout, workdir)
         async with self._exec_limit:
             loop = asyncio.get_running_loop()
@@ -237,7 +248,6 @@ class DockerBackend(SandboxBackend):
         attrs = self._lookup(name)
         if attrs is None:
             raise SandboxNotFound(name)
-        self._users[attrs["Id"]] = attrs["Config"]["User"]
         return observe(attrs)
 
     def _remove_sync(self, name: str) -> None:
@@ -333,6 +343,23 @@ class DockerBackend(SandboxBackend):
             api.exec_start(created["Id"], detach=True)
         except docker.errors.APIError as exc:
             logger.warning("could not kill a timed-out exec in %s: %s", job.container_id[:12], exc)
+
+
+def _probe_unix_socket(host: str) -> None:
+    """Fail early, and cleanly, when nothing listens on a unix DOCKER_HOST.
+
+    docker-py leaks the socket of a failed unix connect; probing first keeps
+    that (and a ResourceWarning) out of the gateway.
+    """
+    if not host.startswith(("unix://", "http+unix://")):
+        return
+    path = host.split("://", 1)[1]
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        probe.settimeout(5)
+        try:
+            probe.connect(path)
+        except OSError as exc:
+            raise EngineUnavailable(f"nothing answers on {path}: {exc.strerror or exc}") from exc
 
 
 # -- creation ------------------------------------------------------------

@@ -5,13 +5,14 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import docker
 import docker.types
 import pytest
 
-from orchestrator.errors import ImageError, MountVerificationFailed
+from orchestrator.errors import EngineUnavailable, ImageError, MountVerificationFailed
 from sandbox.backends.base import SandboxHandle, SandboxNotFound
 from sandbox.backends.docker import OUTPUT_CAP, DockerBackend, create_kwargs
 from sandbox.reaper import Reaper
@@ -113,6 +114,15 @@ async def test_S5_remove_is_idempotent_and_list_finds_by_label(
     assert await backend.list({LABEL_APP: built.spec.app}) == []
     with pytest.raises(SandboxNotFound):
         await backend.inspect(built.spec.name)
+
+
+def test_S1_no_engine_is_engine_unavailable(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setenv("DOCKER_HOST", f"unix://{tmp_path}/no-engine.sock")
+    with pytest.raises(EngineUnavailable) as caught:
+        DockerBackend.from_env()
+    assert "no-engine.sock" in caught.value.reason
 
 
 async def test_S1_image_facts(backend: DockerBackend, image_id: str) -> None:
