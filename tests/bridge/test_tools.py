@@ -5,10 +5,13 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+from pathlib import Path
 
 from channels.base import OutboundKind
 from orchestrator.store import SessionId
 from tests.bridge.conftest import World
+
+SOURCE_DIR = Path(__file__).resolve().parents[2] / "sandbox" / "client"
 
 # -- P1: reply, react, edit only into the chat the socket serves ---------------------
 
@@ -282,3 +285,86 @@ async def test_T2_tools_not_offered_to_an_isolated_agent(world: World) -> None:
     await a.refused("memory_search", {}, "T2")
     names = [t["name"] for t in (await a.ok("list_tools"))["tools"]]
     assert "cron_create" not in names and "memory_search" not in names
+
+
+# -- outboxes, registry and client install -------------------------------------------
+
+
+async def test_P2_a_thread_the_session_opened_itself_is_allowed(world: World) -> None:
+    from orchestrator.bridge import ToolCall
+
+    async def create_thread(call: ToolCall) -> dict[str, object]:
+        thread = f"thread-{len(call.state.own_threads) + 1}"
+        call.state.own_threads.add(thread)
+        return {"chat_id": thread}
+
+    world.handlers.register("discord_create_thread", create_thread, module="discord")
+    a = await world.open("chan-1", "discord")
+    made = await a.ok("discord_create_thread", {})
+    await a.ok("reply", {"text": "in my thread", "chat_id": made["chat_id"]})
+    await a.refused("reply", {"text": "x", "chat_id": "thread-of-someone-else"}, "P1")
+    assert [m.chat_id for m in world.outbox.sent] == ["thread-1"]
+
+
+async def test_P1_channel_outbox_routes_by_channel_and_sends_a_key_once() -> None:
+    from channels.base import Channel, DeliveryReceipt, InboundHandler, OutboundMessage
+    from orchestrator.bridge import BridgeScope, ChannelOutbox, PendingOutbox
+    from orchestrator.conversations import ConversationKey, conversation_paths
+    from orchestrator.errors import BridgeError
+
+    class Recording(Channel):
+        name = "telegram"
+
+        def __init__(self) -> None:
+            self.sent: list[OutboundMessage] = []
+
+        async def start(self, on_message: InboundHandler) -> None: ...
+
+        async def stop(self) -> None: ...
+
+        async def send(self, message: OutboundMessage) -> DeliveryReceipt:
+            self.sent.append(message)
+            return DeliveryReceipt(f"tg-{len(self.sent)}")
+
+    key = ConversationKey("bot", "telegram", "42")
+    paths = conversation_paths(Path("/a"), Path("/a/workspace"), key, "s1")
+    scope = BridgeScope.for_conversation(key, "s1", paths)
+    tg = Recording()
+    outbox = ChannelOutbox({"telegram": tg})
+    msg = OutboundMessage(channel="telegram", chat_id="42", outbound_key="bridge:k1", text="hi")
+    assert (await outbox.deliver(scope, msg)).platform_message_id == "tg-1"
+    assert (await outbox.deliver(scope, msg)).platform_message_id == "tg-1"
+    assert len(tg.sent) == 1
+    try:
+        await outbox.deliver(scope, OutboundMessage("line", "42", "bridge:k2"))
+    except BridgeError as exc:
+        assert exc.code == "delivery_failed"
+    else:
+        raise AssertionError("an unknown channel must fail")
+    pending = PendingOutbox()
+    await pending.deliver(scope, msg)
+    await pending.deliver(scope, msg)
+    assert pending.take(scope.conversation_id) == [msg]
+    assert pending.take(scope.conversation_id) == []
+
+
+async def test_install_client_puts_two_executables_in_the_bridge_dir(world: World) -> None:
+    a = await world.open("42")
+    for name in ("cellgate-tool", "cellgate-mcp"):
+        st = os.stat(a.socket.parent / name)
+        assert st.st_mode & 0o777 == 0o755
+    source = SOURCE_DIR / "cellgate_mcp.py"
+    assert (a.socket.parent / "cellgate-mcp").read_bytes() == source.read_bytes()
+    assert sorted(os.listdir(a.socket.parent)) == ["bridge.sock", "cellgate-mcp", "cellgate-tool"]
+
+
+def test_T1_registering_a_name_twice_is_an_error(world: World) -> None:
+    import pytest
+
+    from orchestrator.bridge import ToolCall
+
+    async def h(call: ToolCall) -> dict[str, object]:
+        return {}
+
+    with pytest.raises(ValueError, match="already registered"):
+        world.handlers.register("reply", h)
