@@ -36,8 +36,8 @@ def seeded(live: LiveGateway) -> LiveGateway:
     reply = live.run(
         A,
         f"set -e; cd /workspace/chats/{dir_of(live, A)}; echo {MARK} >> MEMORY.md; "
-        f"echo {MARK} > USER.md; echo {MARK} > transcript.jsonl; "
-        f"echo {MARK} > /workspace/media/*/photo.txt; echo {MARK} > $HOME/.claude/a.json; "
+        f"echo {MARK} > USER.md; echo {MARK} >> notes.txt; "
+        f"for d in /workspace/media/*/; do echo {MARK} > $d/photo.txt; done; echo {MARK} > $HOME/.claude/a.json; "
         f"echo {MARK} > /tmp/a.txt; (nohup sleep 600 >/dev/null 2>&1 &); echo done",
     )
     assert "done" in reply and "[exit 0]" in reply
@@ -136,7 +136,7 @@ def test_S2_no_capabilities_no_new_privileges_not_root(seeded: LiveGateway) -> N
     assert re.search(r"CapEff:\s+0+\n", reply)
     assert re.search(r"CapPrm:\s+0+\n", reply)
     assert re.search(r"NoNewPrivs:\s+1", reply)
-    uid = reply.split("\n")[-3].strip()
+    uid = reply.split("\n")[-2].strip()
     assert uid.isdigit() and uid != "0"
 
 
@@ -174,14 +174,35 @@ def test_S2_no_network(seeded: LiveGateway) -> None:
 
 
 def test_S2_pids_limit_stops_a_fork_bomb_without_hurting_chat_b(seeded: LiveGateway) -> None:
-    bomb = ("i=0; while [ $i -lt 300 ]; do sleep 30 & i=$((i+1)); done 2>/dev/null; "
-            "ls /proc | grep -c '^[0-9]'; kill -9 -1 2>/dev/null; echo survived")
+    bomb = (
+        "python3 - <<'PY'\n"
+        "import os, time\n"
+        "pids, err = [], None\n"
+        "for _ in range(300):\n"
+        "    try:\n"
+        "        pid = os.fork()\n"
+        "    except OSError as e:\n"
+        "        err = e.errno\n"
+        "        break\n"
+        "    if pid == 0:\n"
+        "        time.sleep(30)\n"
+        "        os._exit(0)\n"
+        "    pids.append(pid)\n"
+        "print('forked', len(pids), 'errno', err)\n"
+        "for p in pids:\n"
+        "    os.kill(p, 9)\n"
+        "    os.waitpid(p, 0)\n"
+        "print('survived')\n"
+        "PY"
+    )
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         fut_a = pool.submit(seeded.say, A, bomb)
         fut_b = pool.submit(seeded.say, B, "echo b-is-fine")
         ra, rb = fut_a.result(), fut_b.result()
     assert rb.status_code == 200 and "b-is-fine" in rb.json()["reply"]
-    if ra.status_code == 200:
-        count = int(re.findall(r"^(\d+)$", ra.json()["reply"], re.M)[0])
-        assert count <= 64
+    assert ra.status_code == 200, ra.text
+    reply = ra.json()["reply"]
+    assert "survived" in reply
+    forked, errno = re.findall(r"^forked (\d+) errno (\S+)$", reply, re.M)[0]
+    assert errno == "11" and 10 < int(forked) < 64  # EAGAIN: the limit (64) held
     assert "b-is-fine" in seeded.run(B, "echo b-is-fine")
