@@ -121,7 +121,9 @@ class InstalledApp:
         try:
             doc = json.loads(record.read_text(encoding="utf-8"))
         except FileNotFoundError as exc:
-            raise AppError(name, f"not installed (no {record}); run `cellgate apps install`") from exc
+            raise AppError(
+                name, f"not installed (no {record}); run `cellgate apps install`"
+            ) from exc
         agent_root = state_dir / "agents" / doc["agent"]
         return InstalledApp(
             name=doc["name"],

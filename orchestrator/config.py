@@ -136,8 +136,10 @@ class ClaudeSettings(_Model):
     @field_validator("extra_flags")
     @classmethod
     def _no_append_file(cls, v: tuple[str, ...]) -> tuple[str, ...]:
-        if any(f == "--append-system-prompt-file" or f.startswith("--append-system-prompt-file=")
-               for f in v):
+        if any(
+            f == "--append-system-prompt-file" or f.startswith("--append-system-prompt-file=")
+            for f in v
+        ):
             raise ValueError(
                 "--append-system-prompt-file would replace the conversation's memory (Claude "
                 "Code keeps only the last such flag); use --append-system-prompt or move the "

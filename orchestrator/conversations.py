@@ -8,6 +8,7 @@ two different chats apart even when their slugs agree.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import re
@@ -97,10 +98,8 @@ def conversation_paths(
 
 def _mkdir_nofollow(path: Path, mode: int = 0o755) -> None:
     """Create `path` (one level) and refuse if what is there is not a real directory."""
-    try:
+    with contextlib.suppress(FileExistsError):
         os.mkdir(path, mode)
-    except FileExistsError:
-        pass
     st = os.lstat(path)
     if not stat.S_ISDIR(st.st_mode):
         raise ConversationError(f"{path} exists and is not a directory (symlinks are refused)")
@@ -136,7 +135,11 @@ def ensure_conversation(
     writable += [paths.chat_dir / "USER.md", paths.chat_dir / "MEMORY.md"]
     for p in writable:
         if owner_uid is not None and os.geteuid() == 0:
-            os.chown(p, owner_uid, owner_gid if owner_gid is not None else owner_uid,
-                     follow_symlinks=False)
+            os.chown(
+                p,
+                owner_uid,
+                owner_gid if owner_gid is not None else owner_uid,
+                follow_symlinks=False,
+            )
         elif owner_uid is not None and owner_uid != os.geteuid():
             os.chmod(p, 0o777 if p.is_dir() else 0o666)

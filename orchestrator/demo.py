@@ -8,7 +8,6 @@ A writes a memory, chat B tries to read it, and both see only their own.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import secrets
@@ -107,10 +106,11 @@ def curl_examples(host: str, port: int, key: str) -> str:
     lines = [
         "# chat alice writes a memory in its own conversation:",
         f"curl -s -H 'Authorization: Bearer {key}' -H 'Content-Type: application/json' \\",
-        f"  -d '{{\"text\": \"echo likes tea >> chats/*/MEMORY.md; ls chats\"}}' {url}/alice/messages",
+        '  -d \'{"text": "echo likes tea >> chats/*/MEMORY.md; ls chats"}\' '
+        f"{url}/alice/messages",
         "# chat bob looks for it and finds only its own, empty, memory:",
         f"curl -s -H 'Authorization: Bearer {key}' -H 'Content-Type: application/json' \\",
-        f"  -d '{{\"text\": \"ls chats; cat chats/*/MEMORY.md; id\"}}' {url}/bob/messages",
+        f'  -d \'{{"text": "ls chats; cat chats/*/MEMORY.md; id"}}\' {url}/bob/messages',
     ]
     return "\n".join(lines)
 

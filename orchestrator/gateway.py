@@ -15,35 +15,72 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from channels.base import Channel, OutboundMessage
+from channels.base import Channel, DeliveryReceipt, OutboundMessage
 from orchestrator.apps import InstalledApp
+from orchestrator.bridge import (
+    BridgeScope,
+    BridgeServer,
+    BuiltinTools,
+    ChannelOutbox,
+    PendingOutbox,
+    StoreRefusals,
+    ToolHandlers,
+    install_client,
+)
 from orchestrator.config import AgentConfig, GatewayConfig
 from orchestrator.conversations import ConversationKey
 from orchestrator.errors import AgentUnavailable, AppError, CellgateError, TurnTimeout, UnknownAgent
 from orchestrator.harnesses.base import DispatchResult, Harness, SessionContext
+from orchestrator.harnesses.command import CommandHarness
+from orchestrator.harnesses.openai import OpenAIHarness
 from orchestrator.harnesses.shell import ShellHarness
+from orchestrator.memory import compose_claude_md, write_session_files
 from orchestrator.sandboxes import ConversationSandboxes
-from orchestrator.store import Conversation, Message, MessageId, Reply, SessionId, Store
-from orchestrator.transcripts import append_transcript, load_session_id, save_session_id
+from orchestrator.store import (
+    Conversation,
+    ConversationId,
+    Message,
+    MessageId,
+    Reply,
+    SessionId,
+    Store,
+)
+from orchestrator.transcripts import (
+    append_transcript,
+    load_session_id,
+    recent_history,
+    save_session_id,
+)
 from orchestrator.turns import TurnAnswer, TurnLoop
 from policies.tools import session_env_flags
 from sandbox.backends.base import SandboxBackend
-from sandbox.spec import LABEL_CONVERSATION, LABEL_MANAGED, LABEL_SPEC_HASH
+from sandbox.spec import LABEL_APP, LABEL_CONVERSATION, LABEL_MANAGED, LABEL_SPEC_HASH
 
 logger = logging.getLogger(__name__)
 
 
 def build_harness(agent: AgentConfig) -> Harness:
-    from orchestrator import config
-    from orchestrator.harnesses.command import CommandHarness
-    from orchestrator.harnesses.openai import OpenAIHarness
-
     h = agent.harness
-    if isinstance(h, config.CommandHarness):
-        return CommandHarness.from_config(h, claude_flags=agent.claude.extra_flags)
-    if isinstance(h, config.OpenAIHarness):
-        return OpenAIHarness.from_config(h)
-    return ShellHarness(timeout_seconds=h.timeout_seconds)
+    match h.type:
+        case "command":
+            return CommandHarness.from_config(h, claude_flags=agent.claude.extra_flags)
+        case "openai":
+            return OpenAIHarness.from_config(h)
+        case "shell":
+            return ShellHarness(timeout_seconds=h.timeout_seconds)
+
+
+class _GatewayOutbox:
+    """Bridge deliveries: the `api` channel keeps them for the HTTP answer; others send."""
+
+    def __init__(self, channels: dict[str, Channel]) -> None:
+        self.pending = PendingOutbox()
+        self.channels = ChannelOutbox(channels)
+
+    async def deliver(self, scope: BridgeScope, message: OutboundMessage) -> DeliveryReceipt:
+        if message.channel == "api":
+            return await self.pending.deliver(scope, message)
+        return await self.channels.deliver(scope, message)
 
 
 @dataclass
@@ -86,6 +123,9 @@ class Gateway:
         self.store = store or Store.open(config.gateway.state_dir, clock=clock)
         self.agents: dict[str, AgentRuntime] = {a.id: self._runtime(a) for a in config.agents}
         self.channels: dict[str, Channel] = {}
+        self.outbox = _GatewayOutbox(self.channels)
+        tools = BuiltinTools(self.outbox, self.store, config.gateway.state_dir / "bridge-spool")
+        self.bridge = BridgeServer(tools.install(ToolHandlers(refusals=StoreRefusals(self.store))))
         self.loop = TurnLoop(
             self.store, self._run_turn, self._deliver, bound=config.gateway.max_concurrent_turns
         )
@@ -116,11 +156,14 @@ class Gateway:
         await self.loop.recover()
 
     async def reconcile_sandboxes(self) -> int:
-        """Remove containers whose conversation is unknown, or whose spec is stale."""
+        """Remove this gateway's containers whose conversation is unknown or whose spec is stale."""
         removed = 0
         known = {c.id: c for c in await asyncio.to_thread(self.store.conversations)}
+        apps = {rt.app.name for rt in self.agents.values() if rt.app is not None}
         for info in await self.backend.list({LABEL_MANAGED: "1"}):
-            conv = known.get(info.labels.get(LABEL_CONVERSATION, ""))
+            if info.labels.get(LABEL_APP) not in apps:
+                continue  # another gateway's, or an app this one does not serve
+            conv = known.get(ConversationId(info.labels.get(LABEL_CONVERSATION, "")))
             stale = conv is None
             if conv is not None:
                 rt = self.agents.get(conv.agent)
@@ -140,6 +183,7 @@ class Gateway:
 
     async def close(self) -> None:
         await self.loop.close()
+        await self.bridge.close_all()
         await self.backend.close()
         self.store.close()
 
@@ -219,9 +263,7 @@ class Gateway:
         live = await asyncio.to_thread(self.store.live_sessions, conversation=conv.id)
         if live:
             return live[0].id
-        session = await asyncio.to_thread(
-            self.store.open_session, conv.id, rt.config.harness.type
-        )
+        session = await asyncio.to_thread(self.store.open_session, conv.id, rt.config.harness.type)
         return session.id
 
     def session_env(self, key: ConversationKey, home: str) -> dict[str, str]:
@@ -253,7 +295,25 @@ class Gateway:
                 agent=conv.agent,
                 spec_hash=prepared.handle.spec_hash,
             )
-            chat_dir = prepared.paths.chat_dir
+            paths = prepared.paths
+            chat_dir = paths.chat_dir
+            await asyncio.to_thread(install_client, paths.bridge_dir)
+            await self.bridge.open(
+                BridgeScope.for_conversation(
+                    key,
+                    session_id,
+                    paths,
+                    isolated=rt.started_isolated,
+                    archive_enabled=not rt.config.disable_archive,
+                )
+            )
+            system_prompt = await asyncio.to_thread(self._compose, rt, paths.workspace, chat_dir)
+            await asyncio.to_thread(write_session_files, paths.home_dir, system_prompt)
+            meta = {
+                "resume": await asyncio.to_thread(load_session_id, chat_dir),
+                "system_prompt": system_prompt,
+                "history": await asyncio.to_thread(recent_history, chat_dir),
+            }
             ctx = SessionContext(
                 conversation=key,
                 session_key=session_id,
@@ -266,12 +326,18 @@ class Gateway:
             try:
                 async with asyncio.timeout(timeout):
                     await rt.harness.ensure_session(ctx)
-                    result = await rt.harness.dispatch(
-                        ctx, message.text, {"resume": await asyncio.to_thread(load_session_id, chat_dir)}
-                    )
+                    result = await rt.harness.dispatch(ctx, message.text, meta)
             except TimeoutError as exc:
                 raise TurnTimeout(timeout) from exc
             ok, harness_turn = result.ok, result.turn_id
+            sent = self.outbox.pending.take(conv.id)
+            if sent:
+                result = DispatchResult(
+                    ok=result.ok,
+                    reply=result.reply,
+                    turn_id=result.turn_id,
+                    meta={**result.meta, "messages": [_sent(m) for m in sent]},
+                )
             await asyncio.to_thread(self._save_turn, chat_dir, session_id, message, result)
             self._ran[message.id] = _Ran(sandbox, result, None)
             return TurnAnswer(result.ok, result.reply)
@@ -283,6 +349,16 @@ class Gateway:
                 self.store.finish_turn, turn.id, ok=ok, harness_turn_id=harness_turn
             )
 
+    def _compose(self, rt: AgentRuntime, workspace: Any, chat_dir: Any) -> str:
+        """M5, M7: the session's CLAUDE.md, composed on the host at spawn."""
+        return compose_claude_md(
+            workspace,
+            chat_dir,
+            self.config.gateway.memory,
+            rt.started_isolated,
+            not rt.config.disable_archive,
+        )
+
     def _save_turn(
         self, chat_dir: Any, session_id: str, message: Message, result: DispatchResult
     ) -> None:
@@ -291,10 +367,20 @@ class Gateway:
         append_transcript(
             chat_dir,
             [
-                {"at": message.received_at, "role": "user", "message": message.id,
-                 "text": message.text},
-                {"at": now, "role": "assistant", "message": message.id, "ok": result.ok,
-                 "turn": result.turn_id, "text": result.reply},
+                {
+                    "at": message.received_at,
+                    "role": "user",
+                    "message": message.id,
+                    "text": message.text,
+                },
+                {
+                    "at": now,
+                    "role": "assistant",
+                    "message": message.id,
+                    "ok": result.ok,
+                    "turn": result.turn_id,
+                    "text": result.reply,
+                },
             ],
         )
         harness_sid = result.meta.get("harness_session_id")
@@ -307,8 +393,12 @@ class Gateway:
         if channel is None:
             raise AgentUnavailable(conv.agent, f"channel {conv.channel!r} is not running")
         await channel.send(
-            OutboundMessage(channel=conv.channel, chat_id=conv.chat_id,
-                            outbound_key=reply.outbound_key, text=reply.text)
+            OutboundMessage(
+                channel=conv.channel,
+                chat_id=conv.chat_id,
+                outbound_key=reply.outbound_key,
+                text=reply.text,
+            )
         )
 
     # -- reaping -----------------------------------------------------------
@@ -336,9 +426,20 @@ class Gateway:
             if now - last < idle_seconds:
                 continue
             await self.backend.remove(sb.name)
+            await self.bridge.close(sb.conversation_id)
             await asyncio.to_thread(self.store.forget_sandbox, sb.name)
             for s in live:
                 await asyncio.to_thread(self.store.end_session, s.id)
             removed.append(sb.name)
             logger.info("reaped idle sandbox %s", sb.name)
         return removed
+
+
+def _sent(m: OutboundMessage) -> dict[str, Any]:
+    """A bridge delivery as the API shows it (no host paths)."""
+    out: dict[str, Any] = {"kind": m.kind.value, "text": m.text}
+    if m.file_name:
+        out["file_name"] = m.file_name
+    if m.extra:
+        out["extra"] = dict(m.extra)
+    return out

@@ -58,7 +58,9 @@ def save_session_id(chat_dir: Path, session_id: str, harness_session_id: str | N
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp, dir_fd=dfd)
         fd = os.open(
-            tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644,
+            tmp,
+            os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+            0o644,
             dir_fd=dfd,
         )
         try:
@@ -73,8 +75,9 @@ def load_session_id(chat_dir: Path) -> str | None:
     """The saved harness session id, or None when absent, unreadable or not plausible."""
     try:
         with _dir_fd(chat_dir) as dfd:
-            fd = os.open(SESSION, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
-                         dir_fd=dfd)
+            fd = os.open(
+                SESSION, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dfd
+            )
             try:
                 if not _is_regular(fd):
                     return None
@@ -90,6 +93,38 @@ def load_session_id(chat_dir: Path) -> str | None:
     except (ValueError, AttributeError):
         return None
     return value if isinstance(value, str) and _SESSION_ID_RE.fullmatch(value) else None
+
+
+def recent_history(chat_dir: Path, limit: int = 40, cap: int = 256 * 1024) -> list[dict[str, str]]:
+    """The last user/assistant texts of the transcript, for a harness resuming cold (D3)."""
+    try:
+        with _dir_fd(chat_dir) as dfd:
+            fd = os.open(
+                TRANSCRIPT, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dfd
+            )
+            try:
+                if not _is_regular(fd):
+                    return []
+                size = os.fstat(fd).st_size
+                os.lseek(fd, max(0, size - cap), os.SEEK_SET)
+                raw = os.read(fd, cap)
+            finally:
+                os.close(fd)
+    except OSError:
+        return []
+    out: list[dict[str, str]] = []
+    for line in raw.decode("utf-8", "replace").splitlines():
+        try:
+            entry = json.loads(line)
+        except ValueError:
+            continue
+        if (
+            isinstance(entry, dict)
+            and entry.get("role") in ("user", "assistant")
+            and isinstance(entry.get("text"), str)
+        ):
+            out.append({"role": entry["role"], "text": entry["text"]})
+    return out[-limit:]
 
 
 def _is_regular(fd: int) -> bool:

@@ -17,7 +17,15 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from orchestrator.errors import CellgateError, StateConflict
-from orchestrator.store import Conversation, Message, MessageId, MessageState, Reply, Store
+from orchestrator.store import (
+    Conversation,
+    ConversationId,
+    Message,
+    MessageId,
+    MessageState,
+    Reply,
+    Store,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -42,14 +50,14 @@ class TurnLoop:
         self._run_turn = run_turn
         self._deliver = deliver
         self._bound = asyncio.Semaphore(bound)
-        self._workers: dict[str, asyncio.Task[None]] = {}
-        self._again: set[str] = set()
+        self._workers: dict[ConversationId, asyncio.Task[None]] = {}
+        self._again: set[ConversationId] = set()
         self._waiters: dict[MessageId, list[asyncio.Future[Reply]]] = {}
         self._closing = False
 
     # -- intake ------------------------------------------------------------
 
-    def wake(self, conversation_id: str) -> None:
+    def wake(self, conversation_id: ConversationId) -> None:
         """Make sure a worker drains this conversation's queue."""
         if self._closing:
             return
@@ -71,7 +79,7 @@ class TurnLoop:
             logger.info("recovery: %d pending messages, %d interrupted turns", len(pending), closed)
         return len(pending)
 
-    async def wait(self, message_id: MessageId, timeout: float) -> Reply:
+    async def wait(self, message_id: MessageId, timeout: float) -> Reply:  # noqa: ASYNC109
         """The reply to a message, once it exists (raises TimeoutError)."""
         fut: asyncio.Future[Reply] = asyncio.get_running_loop().create_future()
         self._waiters.setdefault(message_id, []).append(fut)
@@ -90,7 +98,7 @@ class TurnLoop:
 
     # -- the worker --------------------------------------------------------
 
-    async def _worker(self, conversation_id: str) -> None:
+    async def _worker(self, conversation_id: ConversationId) -> None:
         while True:
             self._again.discard(conversation_id)
             pending = await asyncio.to_thread(self.store.pending_for_conversation, conversation_id)
@@ -106,12 +114,17 @@ class TurnLoop:
         if conv is None:
             logger.error("message %s has no conversation; failing it", message.id)
             await asyncio.to_thread(
-                self.store.transition, message.id, message.state, MessageState.FAILED,
+                self.store.transition,
+                message.id,
+                message.state,
+                MessageState.FAILED,
                 error="conversation missing",
             )
             return
-        reply = await asyncio.to_thread(self.store.reply_for_message, message.id)
-        if reply is None:
+        existing = await asyncio.to_thread(self.store.reply_for_message, message.id)
+        if existing is not None:
+            reply = existing
+        else:
             if message.state is MessageState.RUNNING:
                 # The previous process died mid-turn: run it again.
                 message = await asyncio.to_thread(
@@ -137,14 +150,17 @@ class TurnLoop:
             return await self._run_turn(conv, message)
         except CellgateError as exc:
             logger.warning(
-                "turn for message %s failed: %s", message.id, exc,
+                "turn for message %s failed: %s",
+                message.id,
+                exc,
                 extra={"conversation": conv.id},
             )
             return TurnAnswer(False, f"⚠️ This message could not be answered: {exc}")
         except Exception as exc:
             logger.exception("turn for message %s crashed", message.id)
+            name = type(exc).__name__
             return TurnAnswer(
-                False, f"⚠️ This message could not be answered (internal error: {type(exc).__name__})"
+                False, f"⚠️ This message could not be answered (internal error: {name})"
             )
 
     async def close(self) -> None:

@@ -100,8 +100,14 @@ def live(
             "agents": [],
         },
     )
-    install_app(_prepare_app(tmp), config_path, state, docker_client, lambda _: None,
-                build_args={"BASE_IMAGE": base_image})
+    install_app(
+        _prepare_app(tmp),
+        config_path,
+        state,
+        docker_client,
+        lambda _: None,
+        build_args={"BASE_IMAGE": base_image},
+    )
     saved = {k: os.environ.get(k) for k in CANARIES}
     os.environ.update(CANARIES)
     port = _free_port()
@@ -112,11 +118,14 @@ def live(
         async def main() -> None:
             gw = Gateway(load_config(config_path), DockerBackend.from_env())
             holder["gateway"] = gw
-            server = uvicorn.Server(uvicorn.Config(create_app(gw), host="127.0.0.1", port=port,
-                                                   log_level="warning", lifespan="off"))
+            server = uvicorn.Server(
+                uvicorn.Config(
+                    create_app(gw), host="127.0.0.1", port=port, log_level="warning", lifespan="off"
+                )
+            )
             holder["server"] = server
             task = asyncio.create_task(server.serve())
-            while not server.started:
+            while not server.started:  # noqa: ASYNC110 - uvicorn offers no started event
                 await asyncio.sleep(0.02)
             ready.set()
             await task
@@ -128,8 +137,15 @@ def live(
     thread.start()
     assert ready.wait(30), "gateway did not start"
     try:
-        yield LiveGateway(f"http://127.0.0.1:{port}", CONFIG_KEY, state, "e2e", "e2e-bot",
-                          docker_client, holder["gateway"])
+        yield LiveGateway(
+            f"http://127.0.0.1:{port}",
+            CONFIG_KEY,
+            state,
+            "e2e",
+            "e2e-bot",
+            docker_client,
+            holder["gateway"],
+        )
     finally:
         holder["server"].should_exit = True
         thread.join(30)

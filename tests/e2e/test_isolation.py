@@ -37,7 +37,8 @@ def seeded(live: LiveGateway) -> LiveGateway:
         A,
         f"set -e; cd /workspace/chats/{dir_of(live, A)}; echo {MARK} >> MEMORY.md; "
         f"echo {MARK} > USER.md; echo {MARK} >> notes.txt; "
-        f"for d in /workspace/media/*/; do echo {MARK} > $d/photo.txt; done; echo {MARK} > $HOME/.claude/a.json; "
+        f"for d in /workspace/media/*/; do echo {MARK} > $d/photo.txt; done; "
+        f"echo {MARK} > $HOME/.claude/a.json; "
         f"echo {MARK} > /tmp/a.txt; (nohup sleep 600 >/dev/null 2>&1 &); echo done",
     )
     assert "done" in reply and "[exit 0]" in reply
@@ -64,8 +65,11 @@ def test_S3_M1_chat_b_finds_nothing_of_chat_a(seeded: LiveGateway) -> None:
 
 def test_M3_new_chat_starts_with_empty_memory_not_root_memory(seeded: LiveGateway) -> None:
     d = dir_of(seeded, B)
-    reply = seeded.run(B, f"wc -c < /workspace/chats/{d}/MEMORY.md; wc -c < /workspace/chats/{d}/USER.md;"
-                          " ls /workspace/MEMORY.md /workspace/USER.md 2>&1")
+    reply = seeded.run(
+        B,
+        f"wc -c < /workspace/chats/{d}/MEMORY.md; wc -c < /workspace/chats/{d}/USER.md;"
+        " ls /workspace/MEMORY.md /workspace/USER.md 2>&1",
+    )
     assert re.search(r"^0\n0\n", reply)
     assert "Operator note" not in reply
     assert reply.count("No such file or directory") == 2
@@ -116,7 +120,8 @@ def test_K1_no_secret_in_environment_or_files(seeded: LiveGateway) -> None:
     reply = seeded.run(
         A,
         "env; echo ---; tr '\\0' '\\n' < /proc/1/environ; echo ---; "
-        f"grep -rIil -e {CANARY_NEEDLE} -e {CONFIG_KEY[:12]} / --exclude-dir=proc --exclude-dir=sys "
+        f"grep -rIil -e {CANARY_NEEDLE} -e {CONFIG_KEY[:12]} / "
+        "--exclude-dir=proc --exclude-dir=sys "
         "2>/dev/null; echo end",
     )
     assert CANARY_NEEDLE not in reply.lower().replace(f"-e {CANARY_NEEDLE}", "")
@@ -141,8 +146,11 @@ def test_S2_no_capabilities_no_new_privileges_not_root(seeded: LiveGateway) -> N
 
 
 def test_S2_no_docker_socket(seeded: LiveGateway) -> None:
-    reply = seeded.run(A, "ls -la /var/run/docker.sock /run/docker.sock 2>&1; "
-                          "find / -name '*.sock' -not -path '/proc/*' 2>/dev/null; echo end")
+    reply = seeded.run(
+        A,
+        "ls -la /var/run/docker.sock /run/docker.sock 2>&1; "
+        "find / -name '*.sock' -not -path '/proc/*' 2>/dev/null; echo end",
+    )
     assert reply.count("No such file or directory") == 2
     assert "docker.sock\n" not in reply.split("end")[0].split("directory")[-1]
 

@@ -53,21 +53,32 @@ def _recreate(live: LiveGateway, name: str, change: Any) -> None:
     [
         (
             "tamper-extra-bind",
-            lambda live, ms: [*ms, {"Type": "bind", "Source": str(live.state_dir / "config.json"),
-                                    "Target": "/workspace/leak.json", "ReadOnly": True}],
+            lambda live, ms: [
+                *ms,
+                {
+                    "Type": "bind",
+                    "Source": str(live.state_dir / "config.json"),
+                    "Target": "/workspace/leak.json",
+                    "ReadOnly": True,
+                },
+            ],
             "/workspace/leak.json",
         ),
         (
             "tamper-rw-persona",
-            lambda live, ms: [{**m, "ReadOnly": False} if m["Target"] == "/workspace/AGENTS.md"
-                              else m for m in ms],
+            lambda live, ms: [
+                {**m, "ReadOnly": False} if m["Target"] == "/workspace/AGENTS.md" else m for m in ms
+            ],
             "/workspace/AGENTS.md is read-write",
         ),
         (
             "tamper-parent",
-            lambda live, ms: [{**m, "Source": str(live.state_dir / "agents" / live.agent /
-                                                  "workspace" / "chats")}
-                              if m["Target"].startswith("/workspace/chats/") else m for m in ms],
+            lambda live, ms: [
+                {**m, "Source": str(live.state_dir / "agents" / live.agent / "workspace" / "chats")}
+                if m["Target"].startswith("/workspace/chats/")
+                else m
+                for m in ms
+            ],
             "a parent of the planned",
         ),
     ],

@@ -82,19 +82,36 @@ CASES: list[tuple[str, Tree, dict[str, bool]]] = [
     (
         "persona files only",
         _files("CLAUDE.md", "AGENTS.md", "SOUL.md", "IDENTITY.md", "HEARTBEAT.md"),
-        {f"/workspace/{n}": True for n in
-         ("CLAUDE.md", "AGENTS.md", "SOUL.md", "IDENTITY.md", "HEARTBEAT.md")},
+        {
+            f"/workspace/{n}": True
+            for n in ("CLAUDE.md", "AGENTS.md", "SOUL.md", "IDENTITY.md", "HEARTBEAT.md")
+        },
     ),
     (
         "root memory, kb.sqlite and stray notes are not mounted",
-        _files("AGENTS.md", "MEMORY.md", "USER.md", "kb.sqlite", "SKILLS_LEARNED.md",
-               "notes-from-before.md", "config.json"),
+        _files(
+            "AGENTS.md",
+            "MEMORY.md",
+            "USER.md",
+            "kb.sqlite",
+            "SKILLS_LEARNED.md",
+            "notes-from-before.md",
+            "config.json",
+        ),
         {"/workspace/AGENTS.md": True},
     ),
     (
         "directories except chats, memory, media and dot dirs",
-        _files("skills/a/SKILL.md", "tools/", "memory/topic.md", "media/telegram-1/x.png",
-               "chats/telegram-9-abc/MEMORY.md", ".git/config", ".cache/", ".telegram-state/"),
+        _files(
+            "skills/a/SKILL.md",
+            "tools/",
+            "memory/topic.md",
+            "media/telegram-1/x.png",
+            "chats/telegram-9-abc/MEMORY.md",
+            ".git/config",
+            ".cache/",
+            ".telegram-state/",
+        ),
         {"/workspace/skills": True, "/workspace/tools": True},
     ),
     (
@@ -118,14 +135,17 @@ CASES: list[tuple[str, Tree, dict[str, bool]]] = [
 ]
 
 
-@pytest.mark.parametrize(("tree", "expected"), [(c[1], c[2]) for c in CASES],
-                         ids=[c[0] for c in CASES])
+@pytest.mark.parametrize(
+    ("tree", "expected"), [(c[1], c[2]) for c in CASES], ids=[c[0] for c in CASES]
+)
 def test_S3_mount_plan_table(tmp_path: Path, tree: Tree, expected: dict[str, bool]) -> None:
-    plan, ws = _plan(tmp_path, tree)
+    plan, _ = _plan(tmp_path, tree)
     got = {m.target: m.read_only for m in plan.mounts}
     assert got == {**expected, **OWN}
     assert plan.writable_targets() == (
-        "/home/agent/.claude", "/workspace/chats/api-c-0123", "/workspace/media/api-s1"
+        "/home/agent/.claude",
+        "/workspace/chats/api-c-0123",
+        "/workspace/media/api-s1",
     )
     for m in plan.mounts:
         assert m.kind in (EntryKind.FILE, EntryKind.DIR)
@@ -150,8 +170,9 @@ def test_S3_own_dirs_must_be_real_directories(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="not a real directory"):
         plan_mounts(
             scan_workspace(ws),
-            own_dirs(ws / "chats" / "api-c-0123", ws / "media" / "api-s1", tmp_path / "h",
-                     tmp_path / "h"),
+            own_dirs(
+                ws / "chats" / "api-c-0123", ws / "media" / "api-s1", tmp_path / "h", tmp_path / "h"
+            ),
         )
 
 
@@ -159,23 +180,47 @@ def test_S3_own_dirs_must_be_real_directories(tmp_path: Path) -> None:
 
 
 def _spec(plan: MountPlan) -> SandboxSpec:
-    return SandboxSpec(name="app-agent-c-1", image="img", image_id="sha256:1", user="1000:1000",
-                       env={}, networks=(), plan=plan)
+    return SandboxSpec(
+        name="app-agent-c-1",
+        image="img",
+        image_id="sha256:1",
+        user="1000:1000",
+        env={},
+        networks=(),
+        plan=plan,
+    )
 
 
-def _observed(mounts: list[ObservedMount], tmpfs: tuple[str, ...] = ("/tmp", "/home/agent")
-              ) -> ObservedContainer:
+def _observed(
+    mounts: list[ObservedMount], tmpfs: tuple[str, ...] = ("/tmp", "/home/agent")
+) -> ObservedContainer:
     return ObservedContainer(
-        name="app-agent-c-1", id="c", image_id="sha256:1", labels={}, user="1000:1000",
-        mounts=tuple(mounts), tmpfs=tmpfs, cap_add=(), cap_drop=("ALL",), privileged=False,
-        readonly_rootfs=True, security_opt=("no-new-privileges:true",), network_mode="none",
-        pid_mode="", ipc_mode="private", devices=0, runtime="runc", running=True,
+        name="app-agent-c-1",
+        id="c",
+        image_id="sha256:1",
+        labels={},
+        user="1000:1000",
+        mounts=tuple(mounts),
+        tmpfs=tmpfs,
+        cap_add=(),
+        cap_drop=("ALL",),
+        privileged=False,
+        readonly_rootfs=True,
+        security_opt=("no-new-privileges:true",),
+        network_mode="none",
+        pid_mode="",
+        ipc_mode="private",
+        devices=0,
+        runtime="runc",
+        running=True,
     )
 
 
 def _faithful(plan: MountPlan) -> list[ObservedMount]:
-    return [ObservedMount("bind", m.source, m.target, not m.read_only, (m.kind, m.dev, m.ino))
-            for m in plan.mounts]
+    return [
+        ObservedMount("bind", m.source, m.target, not m.read_only, (m.kind, m.dev, m.ino))
+        for m in plan.mounts
+    ]
 
 
 def test_S4_faithful_container_has_no_violations(tmp_path: Path) -> None:
@@ -192,34 +237,49 @@ def test_S4_extra_bind_is_refused_by_name(tmp_path: Path) -> None:
 
 def test_S4_read_write_persona_is_refused(tmp_path: Path) -> None:
     plan, ws = _plan(tmp_path, _files("AGENTS.md"))
-    mounts = [ObservedMount(m.type, m.source, m.target,
-                            True if m.target == "/workspace/AGENTS.md" else m.read_write,
-                            m.identity) for m in _faithful(plan)]
+    mounts = [
+        ObservedMount(
+            m.type,
+            m.source,
+            m.target,
+            True if m.target == "/workspace/AGENTS.md" else m.read_write,
+            m.identity,
+        )
+        for m in _faithful(plan)
+    ]
     found = mount_violations(_spec(plan), _observed(mounts))
-    assert found == [f"{ws / 'AGENTS.md'} -> /workspace/AGENTS.md is read-write; "
-                     "the plan has it read-only"]
+    assert found == [
+        f"{ws / 'AGENTS.md'} -> /workspace/AGENTS.md is read-write; the plan has it read-only"
+    ]
 
 
 def test_S4_parent_source_is_refused(tmp_path: Path) -> None:
     plan, ws = _plan(tmp_path, _files())
     chat = plan.by_target()["/workspace/chats/api-c-0123"]
-    mounts = [m if m.target != chat.target else
-              ObservedMount("bind", str(ws / "chats"), chat.target, True, None)
-              for m in _faithful(plan)]
+    mounts = [
+        m
+        if m.target != chat.target
+        else ObservedMount("bind", str(ws / "chats"), chat.target, True, None)
+        for m in _faithful(plan)
+    ]
     (found,) = mount_violations(_spec(plan), _observed(mounts))
     assert "a parent of the planned" in found and chat.target in found
 
 
 def test_S4_swapped_directory_same_path_is_refused(tmp_path: Path) -> None:
-    plan, ws = _plan(tmp_path, _files())
+    plan, _ = _plan(tmp_path, _files())
     chat = plan.by_target()["/workspace/chats/api-c-0123"]
     os.rename(chat.source, str(tmp_path / "moved"))
     os.mkdir(chat.source)
     st = os.lstat(chat.source)
-    mounts = [m if m.target != chat.target else
-              ObservedMount("bind", chat.source, chat.target, True,
-                            (EntryKind.DIR, st.st_dev, st.st_ino))
-              for m in _faithful(plan)]
+    mounts = [
+        m
+        if m.target != chat.target
+        else ObservedMount(
+            "bind", chat.source, chat.target, True, (EntryKind.DIR, st.st_dev, st.st_ino)
+        )
+        for m in _faithful(plan)
+    ]
     (found,) = mount_violations(_spec(plan), _observed(mounts))
     assert "device/inode changed" in found
 
@@ -227,8 +287,9 @@ def test_S4_swapped_directory_same_path_is_refused(tmp_path: Path) -> None:
 def test_S4_volume_and_extra_tmpfs_are_refused(tmp_path: Path) -> None:
     plan, _ = _plan(tmp_path, _files())
     vol = ObservedMount("volume", "", "/data", True, None)
-    found = mount_violations(_spec(plan), _observed([*_faithful(plan), vol],
-                                                    tmpfs=("/tmp", "/home/agent", "/dev/shm2")))
+    found = mount_violations(
+        _spec(plan), _observed([*_faithful(plan), vol], tmpfs=("/tmp", "/home/agent", "/dev/shm2"))
+    )
     assert "unplanned volume mount (anonymous) -> /data" in found
     assert "unplanned tmpfs at /dev/shm2" in found
 
