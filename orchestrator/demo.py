@@ -116,7 +116,7 @@ def curl_examples(host: str, port: int, key: str) -> str:
 
 
 TOUR = (
-    ("alice", "echo 'alice likes tea' >> chats/*/MEMORY.md; ls chats; cat chats/*/MEMORY.md"),
+    ("alice", "cd chats/*/ && echo 'alice likes tea' >> MEMORY.md; ls ..; cat MEMORY.md"),
     ("bob", "ls chats; cat chats/*/MEMORY.md; grep -r tea /workspace 2>/dev/null; id -u"),
     ("bob", "touch /workspace/AGENTS.md 2>&1; grep CapEff /proc/self/status"),
 )
