@@ -106,11 +106,11 @@ def curl_examples(host: str, port: int, key: str) -> str:
     lines = [
         "# chat alice writes a memory in its own conversation:",
         f"curl -s -H 'Authorization: Bearer {key}' -H 'Content-Type: application/json' \\",
-        '  -d \'{"text": "echo likes tea >> chats/*/MEMORY.md; ls chats"}\' '
+        '  -d \'{"text": "cd chats/*/ && echo likes tea >> MEMORY.md; ls .."}\' '
         f"{url}/alice/messages",
         "# chat bob looks for it and finds only its own, empty, memory:",
         f"curl -s -H 'Authorization: Bearer {key}' -H 'Content-Type: application/json' \\",
-        f'  -d \'{{"text": "ls chats; cat chats/*/MEMORY.md; id"}}\' {url}/bob/messages',
+        f'  -d \'{{"text": "ls chats; cat chats/*/MEMORY.md; id -u"}}\' {url}/bob/messages',
     ]
     return "\n".join(lines)
 
