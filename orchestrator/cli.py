@@ -43,13 +43,18 @@ async def _serve(config_path: Path, port: int | None = None, banner: str | None 
             lifespan="off",
         )
     )
-    reaper = asyncio.create_task(gateway.run_reaper())
+    await gateway.start()  # D2: the recovery scan runs before the first request
+    background = [
+        asyncio.create_task(gateway.run_reaper()),
+        asyncio.create_task(gateway.run_heartbeats()),
+    ]
     if banner:
         print(banner, flush=True)
     try:
         await server.serve()
     finally:
-        reaper.cancel()
+        for task in background:
+            task.cancel()
         await gateway.close()
     return 0
 

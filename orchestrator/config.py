@@ -148,6 +148,18 @@ class ClaudeSettings(_Model):
         return v
 
 
+class HeartbeatSettings(_Model):
+    """A periodic turn in every live session, or in `__heartbeat__` when none is live (M4)."""
+
+    every_minutes: float = Field(alias="everyMinutes", gt=0)
+    prompt: str = Field(
+        "Heartbeat: check HEARTBEAT.md and this conversation's memory; act only if something "
+        "is due.",
+        min_length=1,
+        max_length=10_000,
+    )
+
+
 class AgentConfig(_Model):
     id: str = Field(pattern=AGENT_ID_RE)
     isolate_memory: StrictBool = Field(False, alias="isolateMemory")
@@ -156,6 +168,7 @@ class AgentConfig(_Model):
     workspace: Path | None = None
     harness: HarnessConfig = ShellHarness(type="shell")
     claude: ClaudeSettings = ClaudeSettings()
+    heartbeat: HeartbeatSettings | None = None
 
 
 class ApiKeyConfig(_Model):

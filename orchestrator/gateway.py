@@ -8,10 +8,11 @@ a restarted gateway finishes what a crash interrupted (D1, D2).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,14 +28,14 @@ from orchestrator.bridge import (
     ToolHandlers,
     install_client,
 )
-from orchestrator.config import AgentConfig, GatewayConfig
+from orchestrator.config import AgentConfig, GatewayConfig, HeartbeatSettings
 from orchestrator.conversations import ConversationKey
 from orchestrator.errors import AgentUnavailable, AppError, CellgateError, TurnTimeout, UnknownAgent
 from orchestrator.harnesses.base import DispatchResult, Harness, SessionContext
 from orchestrator.harnesses.command import CommandHarness
 from orchestrator.harnesses.openai import OpenAIHarness
 from orchestrator.harnesses.shell import ShellHarness
-from orchestrator.memory import compose_claude_md, write_session_files
+from orchestrator.memory import compose_claude_md, heartbeat_targets, write_session_files
 from orchestrator.sandboxes import ConversationSandboxes
 from orchestrator.store import (
     Conversation,
@@ -54,6 +55,7 @@ from orchestrator.transcripts import (
 from orchestrator.turns import TurnAnswer, TurnLoop
 from policies.tools import session_env_flags
 from sandbox.backends.base import SandboxBackend
+from sandbox.reaper import Reaper
 from sandbox.spec import LABEL_APP, LABEL_CONVERSATION, LABEL_MANAGED, LABEL_SPEC_HASH
 
 logger = logging.getLogger(__name__)
@@ -277,77 +279,141 @@ class Gateway:
 
     async def _run_turn(self, conv: Conversation, message: Message) -> TurnAnswer:
         rt = self._runnable(conv.agent)
-        assert rt.sandboxes is not None
-        key = ConversationKey(conv.agent, conv.channel, conv.chat_id)
         session_id = await self._session(conv, rt)
         turn = await asyncio.to_thread(self.store.start_turn, session_id, message.id)
-        sandbox = ""
         ok = False
         harness_turn: str | None = None
+        sandbox: list[str] = []
         try:
-            prepared = await rt.sandboxes.ensure(key, session_id)
-            sandbox = prepared.handle.name
-            await asyncio.to_thread(
-                self.store.record_sandbox,
-                sandbox,
-                conversation=conv.id,
-                app=prepared.spec.app,
-                agent=conv.agent,
-                spec_hash=prepared.handle.spec_hash,
-            )
-            paths = prepared.paths
-            chat_dir = paths.chat_dir
-            await asyncio.to_thread(install_client, paths.bridge_dir)
-            await self.bridge.open(
-                BridgeScope.for_conversation(
-                    key,
-                    session_id,
-                    paths,
-                    isolated=rt.started_isolated,
-                    archive_enabled=not rt.config.disable_archive,
-                )
-            )
-            system_prompt = await asyncio.to_thread(self._compose, rt, paths.workspace, chat_dir)
-            await asyncio.to_thread(write_session_files, paths.home_dir, system_prompt)
-            meta = {
-                "resume": await asyncio.to_thread(load_session_id, chat_dir),
-                "system_prompt": system_prompt,
-                "history": await asyncio.to_thread(recent_history, chat_dir),
-            }
-            ctx = SessionContext(
-                conversation=key,
-                session_key=session_id,
-                backend=self.backend,
-                sandbox=prepared.handle,
-                env=self.session_env(key, prepared.spec.home),
-                workdir=prepared.spec.workdir,
-            )
-            timeout = self.config.gateway.turn_timeout_seconds
-            try:
-                async with asyncio.timeout(timeout):
-                    await rt.harness.ensure_session(ctx)
-                    result = await rt.harness.dispatch(ctx, message.text, meta)
-            except TimeoutError as exc:
-                raise TurnTimeout(timeout) from exc
+            result = await self._execute(rt, conv, session_id, message.text, sandbox)
             ok, harness_turn = result.ok, result.turn_id
-            sent = self.outbox.pending.take(conv.id)
-            if sent:
-                result = DispatchResult(
-                    ok=result.ok,
-                    reply=result.reply,
-                    turn_id=result.turn_id,
-                    meta={**result.meta, "messages": [_sent(m) for m in sent]},
-                )
-            await asyncio.to_thread(self._save_turn, chat_dir, session_id, message, result)
-            self._ran[message.id] = _Ran(sandbox, result, None)
+            await asyncio.to_thread(
+                self._save_turn, rt, conv, session_id, "user", message.text, message.id, result
+            )
+            self._ran[message.id] = _Ran(sandbox[0], result, None)
             return TurnAnswer(result.ok, result.reply)
         except CellgateError as exc:
-            self._ran[message.id] = _Ran(sandbox, None, exc)
+            self._ran[message.id] = _Ran(sandbox[0] if sandbox else "", None, exc)
             raise
         finally:
             await asyncio.to_thread(
                 self.store.finish_turn, turn.id, ok=ok, harness_turn_id=harness_turn
             )
+
+    async def _execute(
+        self,
+        rt: AgentRuntime,
+        conv: Conversation,
+        session_id: SessionId,
+        text: str,
+        sandbox: list[str],
+    ) -> DispatchResult:
+        """One harness turn in the conversation's verified sandbox, with its bridge open."""
+        assert rt.sandboxes is not None
+        key = ConversationKey(conv.agent, conv.channel, conv.chat_id)
+        prepared = await rt.sandboxes.ensure(key, session_id)
+        sandbox.append(prepared.handle.name)
+        await asyncio.to_thread(
+            self.store.record_sandbox,
+            prepared.handle.name,
+            conversation=conv.id,
+            app=prepared.spec.app,
+            agent=conv.agent,
+            spec_hash=prepared.handle.spec_hash,
+        )
+        paths = prepared.paths
+        await asyncio.to_thread(install_client, paths.bridge_dir)
+        await self.bridge.open(
+            BridgeScope.for_conversation(
+                key,
+                session_id,
+                paths,
+                isolated=rt.started_isolated,
+                archive_enabled=not rt.config.disable_archive,
+            )
+        )
+        system_prompt = await asyncio.to_thread(self._compose, rt, paths.workspace, paths.chat_dir)
+        await asyncio.to_thread(write_session_files, paths.home_dir, system_prompt)
+        meta = {
+            "resume": await asyncio.to_thread(load_session_id, paths.chat_dir),
+            "system_prompt": system_prompt,
+            "history": await asyncio.to_thread(recent_history, paths.chat_dir),
+        }
+        ctx = SessionContext(
+            conversation=key,
+            session_key=session_id,
+            backend=self.backend,
+            sandbox=prepared.handle,
+            env=self.session_env(key, prepared.spec.home),
+            workdir=prepared.spec.workdir,
+        )
+        timeout = self.config.gateway.turn_timeout_seconds
+        try:
+            async with asyncio.timeout(timeout):
+                await rt.harness.ensure_session(ctx)
+                result = await rt.harness.dispatch(ctx, text, meta)
+        except TimeoutError as exc:
+            raise TurnTimeout(timeout) from exc
+        sent = self.outbox.pending.take(conv.id)
+        if sent:
+            result = DispatchResult(
+                ok=result.ok,
+                reply=result.reply,
+                turn_id=result.turn_id,
+                meta={**result.meta, "messages": [_sent(m) for m in sent]},
+            )
+        return result
+
+    # -- heartbeat (M4) ----------------------------------------------------
+
+    async def heartbeat_once(self, agent_id: str) -> list[tuple[ConversationKey, DispatchResult]]:
+        """One heartbeat in every live session of the agent, or in `__heartbeat__` if none."""
+        rt = self._runnable(agent_id)
+        prompt = (rt.config.heartbeat or HeartbeatSettings(every_minutes=60)).prompt
+        live = await asyncio.to_thread(self.store.live_sessions, agent_id)
+        convs = {
+            s.conversation_id: await asyncio.to_thread(
+                self.store.get_conversation, s.conversation_id
+            )
+            for s in live
+        }
+        keys = [
+            ConversationKey(c.agent, c.channel, c.chat_id) for c in convs.values() if c is not None
+        ]
+        done: list[tuple[ConversationKey, DispatchResult]] = []
+        for target in heartbeat_targets(agent_id, keys):
+            conv = await asyncio.to_thread(self.store.upsert_conversation, target.conversation)
+            async with self.loop.conversation_lock(conv.id):
+                session_id = await self._session(conv, rt)
+                turn = await asyncio.to_thread(self.store.start_turn, session_id, None)
+                ok = False
+                try:
+                    result = await self._execute(rt, conv, session_id, prompt, [])
+                    ok = result.ok
+                    await asyncio.to_thread(
+                        self._save_turn, rt, conv, session_id, "heartbeat", prompt, None, result
+                    )
+                finally:
+                    await asyncio.to_thread(self.store.finish_turn, turn.id, ok=ok)
+            done.append((target.conversation, result))
+        return done
+
+    async def run_heartbeats(self) -> None:
+        """Every agent with a `heartbeat` block, on its schedule (M4)."""
+        agents = [(a, rt.config.heartbeat) for a, rt in self.agents.items() if rt.config.heartbeat]
+        if not agents:
+            return
+        next_at = {a: self.clock() + hb.every_minutes * 60 for a, hb in agents}
+        while True:
+            await asyncio.sleep(min(1.0, max(0.0, min(next_at.values()) - self.clock())))
+            for agent_id, hb in agents:
+                if self.clock() < next_at[agent_id]:
+                    continue
+                next_at[agent_id] = self.clock() + hb.every_minutes * 60
+                try:
+                    await self.heartbeat_once(agent_id)
+                except CellgateError as exc:
+                    logger.error("heartbeat of %s failed: %s", agent_id, exc)
 
     def _compose(self, rt: AgentRuntime, workspace: Any, chat_dir: Any) -> str:
         """M5, M7: the session's CLAUDE.md, composed on the host at spawn."""
@@ -360,23 +426,28 @@ class Gateway:
         )
 
     def _save_turn(
-        self, chat_dir: Any, session_id: str, message: Message, result: DispatchResult
+        self,
+        rt: AgentRuntime,
+        conv: Conversation,
+        session_id: str,
+        role: str,
+        text: str,
+        message_id: MessageId | None,
+        result: DispatchResult,
     ) -> None:
         """D3: the transcript and the harness session id, after every turn."""
+        assert rt.sandboxes is not None
+        key = ConversationKey(conv.agent, conv.channel, conv.chat_id)
+        chat_dir = rt.sandboxes.app.workspace / "chats" / key.dir_name
         now = self.clock()
         append_transcript(
             chat_dir,
             [
-                {
-                    "at": message.received_at,
-                    "role": "user",
-                    "message": message.id,
-                    "text": message.text,
-                },
+                {"at": now, "role": role, "message": message_id, "text": text},
                 {
                     "at": now,
                     "role": "assistant",
-                    "message": message.id,
+                    "message": message_id,
                     "ok": result.ok,
                     "turn": result.turn_id,
                     "text": result.reply,
@@ -401,38 +472,57 @@ class Gateway:
             )
         )
 
-    # -- reaping -----------------------------------------------------------
+    # -- reaping (S5) ------------------------------------------------------
+
+    def reaper(self) -> Reaper:
+        """Removes this gateway's sandboxes `sandboxIdleMinutes` after their last turn."""
+        apps = {rt.app.name for rt in self.agents.values() if rt.app is not None}
+        return Reaper(
+            self.backend,
+            last_active=self._last_active,
+            busy=self._busy,
+            idle_minutes=self.config.gateway.sandbox_idle_minutes,
+            now=self.clock,
+            guard=self._sandbox_guard,
+            scope=lambda info: info.labels.get(LABEL_APP) in apps,
+            on_removed=self._sandbox_removed,
+        )
 
     async def run_reaper(self, interval: float = 60.0) -> None:
-        """S5: remove sandboxes idle past `sandboxIdleMinutes` after their last turn."""
-        idle = self.config.gateway.sandbox_idle_minutes * 60
-        while True:
-            await asyncio.sleep(interval)
-            try:
-                await self.reap_once(idle)
-            except CellgateError as exc:
-                logger.error("reaper: %s", exc)
+        await self.reaper().run_forever(interval)
 
-    async def reap_once(self, idle_seconds: float) -> list[str]:
-        removed: list[str] = []
-        now = self.clock()
-        for sb in await asyncio.to_thread(self.store.sandboxes):
-            live = await asyncio.to_thread(
-                self.store.live_sessions, conversation=sb.conversation_id
-            )
-            if any(s.busy for s in live):
-                continue
-            last = max([sb.last_used_at, *(s.last_active_at for s in live)])
-            if now - last < idle_seconds:
-                continue
-            await self.backend.remove(sb.name)
-            await self.bridge.close(sb.conversation_id)
-            await asyncio.to_thread(self.store.forget_sandbox, sb.name)
-            for s in live:
-                await asyncio.to_thread(self.store.end_session, s.id)
-            removed.append(sb.name)
-            logger.info("reaped idle sandbox %s", sb.name)
-        return removed
+    async def _last_active(self, name: str) -> float | None:
+        sb = await asyncio.to_thread(self.store.get_sandbox, name)
+        if sb is None:
+            return None
+        live = await asyncio.to_thread(self.store.live_sessions, conversation=sb.conversation_id)
+        return max([sb.last_used_at, *(s.last_active_at for s in live)])
+
+    async def _busy(self, name: str) -> bool:
+        sb = await asyncio.to_thread(self.store.get_sandbox, name)
+        if sb is None:
+            return False
+        live = await asyncio.to_thread(self.store.live_sessions, conversation=sb.conversation_id)
+        return any(s.busy for s in live)
+
+    @contextlib.asynccontextmanager
+    async def _sandbox_guard(self, name: str) -> AsyncIterator[None]:
+        sb = await asyncio.to_thread(self.store.get_sandbox, name)
+        if sb is None:
+            yield
+            return
+        async with self.loop.conversation_lock(sb.conversation_id):
+            yield
+
+    async def _sandbox_removed(self, name: str) -> None:
+        """The container is gone: its sessions end, its bridge closes, its row goes."""
+        sb = await asyncio.to_thread(self.store.get_sandbox, name)
+        if sb is None:
+            return
+        await self.bridge.close(sb.conversation_id)
+        for s in await asyncio.to_thread(self.store.live_sessions, conversation=sb.conversation_id):
+            await asyncio.to_thread(self.store.end_session, s.id)
+        await asyncio.to_thread(self.store.forget_sandbox, name)
 
 
 def _sent(m: OutboundMessage) -> dict[str, Any]:

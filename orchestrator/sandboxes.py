@@ -21,6 +21,7 @@ from orchestrator.conversations import (
     conversation_paths,
     ensure_conversation,
 )
+from orchestrator.store.messages import conversation_id
 from policies.secrets import env_entry
 from sandbox.backends.base import ImageFacts, SandboxBackend, SandboxHandle
 from sandbox.mountplan import own_dirs, plan_mounts, scan_workspace
@@ -111,7 +112,7 @@ class ConversationSandboxes:
                 runtime=self.settings.runtime,
                 app=self.app.name,
                 agent=self.app.agent,
-                conversation=key.digest,
+                conversation=conversation_id(key),
             )
 
         return await asyncio.to_thread(prepare), paths

@@ -52,8 +52,16 @@ class TurnLoop:
         self._bound = asyncio.Semaphore(bound)
         self._workers: dict[ConversationId, asyncio.Task[None]] = {}
         self._again: set[ConversationId] = set()
+        self._locks: dict[ConversationId, asyncio.Lock] = {}
         self._waiters: dict[MessageId, list[asyncio.Future[Reply]]] = {}
         self._closing = False
+
+    def conversation_lock(self, conversation_id: ConversationId) -> asyncio.Lock:
+        """Held while a turn of this conversation runs; a heartbeat takes it too (M4)."""
+        lock = self._locks.get(conversation_id)
+        if lock is None:
+            lock = self._locks[conversation_id] = asyncio.Lock()
+        return lock
 
     # -- intake ------------------------------------------------------------
 
@@ -130,7 +138,7 @@ class TurnLoop:
                 message = await asyncio.to_thread(
                     self.store.transition, message.id, MessageState.RUNNING, MessageState.ACCEPTED
                 )
-            async with self._bound:
+            async with self.conversation_lock(conv.id), self._bound:
                 answer = await self._answer(conv, message)
             reply, _ = await asyncio.to_thread(
                 self.store.record_reply, message.id, outbound_key(message.id), answer.text

@@ -19,7 +19,7 @@ from contextlib import AbstractAsyncContextManager
 from typing import TypeVar
 
 from orchestrator.errors import CellgateError
-from sandbox.backends.base import SandboxBackend
+from sandbox.backends.base import SandboxBackend, SandboxInfo
 from sandbox.spec import LABEL_APP, LABEL_MANAGED
 
 logger = logging.getLogger(__name__)
@@ -31,6 +31,8 @@ DEFAULT_IDLE_MINUTES = 30.0
 LastActive = Callable[[str], float | Awaitable[float | None] | None]
 Busy = Callable[[str], bool | Awaitable[bool]]
 Guard = Callable[[str], AbstractAsyncContextManager[object]]
+Scope = Callable[[SandboxInfo], bool]
+Removed = Callable[[str], Awaitable[None]]
 
 
 async def _resolve(value: T | Awaitable[T]) -> T:
@@ -41,6 +43,14 @@ async def _resolve(value: T | Awaitable[T]) -> T:
 
 def _no_guard(name: str) -> AbstractAsyncContextManager[object]:
     return contextlib.nullcontext()
+
+
+def _everything(info: SandboxInfo) -> bool:
+    return True
+
+
+async def _nothing(name: str) -> None:
+    return None
 
 
 class Reaper:
@@ -62,6 +72,8 @@ class Reaper:
         idle_minutes: float = DEFAULT_IDLE_MINUTES,
         now: Callable[[], float] = time.time,
         guard: Guard = _no_guard,
+        scope: Scope = _everything,
+        on_removed: Removed = _nothing,
     ) -> None:
         self._backend = backend
         self._last_active = last_active
@@ -69,11 +81,13 @@ class Reaper:
         self._idle_seconds = idle_minutes * 60.0
         self._now = now
         self._guard = guard
+        self._scope = scope
+        self._on_removed = on_removed
         self._first_seen: dict[str, float] = {}
 
     async def run_once(self) -> list[str]:
         """One pass over every managed sandbox; the names it removed."""
-        infos = await self._backend.list({LABEL_MANAGED: "1"})
+        infos = [i for i in await self._backend.list({LABEL_MANAGED: "1"}) if self._scope(i)]
         now = self._now()
         present = {i.name for i in infos}
         for gone in set(self._first_seen) - present:
@@ -101,6 +115,7 @@ class Reaper:
                 return False
             logger.info("removing idle sandbox %s", name)
             await self._backend.remove(name)
+            await self._on_removed(name)
         return True
 
     async def remove_app(self, app: str) -> list[str]:
@@ -109,6 +124,7 @@ class Reaper:
         for info in infos:
             logger.info("removing sandbox %s of app %s", info.name, app)
             await self._backend.remove(info.name)
+            await self._on_removed(info.name)
             self._first_seen.pop(info.name, None)
         return [i.name for i in infos]
 

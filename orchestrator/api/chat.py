@@ -1,7 +1,16 @@
-"""`POST /v1/agents/{agent}/chats/{chat_id}/messages`: one turn of the `api` channel.
+"""The `api` channel: send a message in an API chat, and read its answer.
 
-`{"text": ...}` with `Authorization: Bearer <key>` runs one turn in that API
-chat's conversation and answers `{ok, reply, turn_id, conversation, meta}`.
+- `POST /v1/agents/{agent}/chats/{chat_id}/messages` with `{"text": ...}`
+  runs one turn and answers `{ok, reply, turn_id, conversation, meta}`.
+  With `?wait=false` it answers 202 `{message_id, state, conversation}` as soon
+  as the message is stored, and the turn runs in the background.
+- `GET /v1/agents/{agent}/chats/{chat_id}/messages/{message_id}` tells the
+  message's state and, once answered, its reply.
+
+`message_id` in the body is the client's idempotency key: the same id sent
+again (a retry after a timeout or a gateway restart) is the same message,
+answered once (D1). Without one the gateway makes one up.
+
 Here `{chat_id}` is the API client's own chat id (any string up to 512
 characters), not a conversation id: an API chat is one conversation across
 all of its sessions and keys. Sending needs a key naming the agent (K2);
@@ -10,25 +19,32 @@ it is the agent's ordinary use, so K3 does not apply and `write` is not needed.
 
 from __future__ import annotations
 
+import asyncio
+import uuid
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Depends
+from fastapi import APIRouter, Depends, Path, Query, Response
 from pydantic import BaseModel, ConfigDict, Field
 
 from orchestrator.api.auth import CallerKey, require
 from orchestrator.api.context import ApiContext, context
 from orchestrator.api.errors import ApiError
 from orchestrator.api.ids import agent_id
+from orchestrator.conversations import ConversationKey
 from orchestrator.gateway import TurnOutcome
+from orchestrator.store import conversation_id
 
 __all__ = ["MessageIn", "MessageOut", "router"]
 
 router = APIRouter(tags=["chat"])
 
+MESSAGE_ID_PATTERN = r"^[A-Za-z0-9_.:-]{1,128}$"
+
 
 class MessageIn(BaseModel):
     model_config = ConfigDict(extra="forbid")
     text: str = Field(min_length=1, max_length=100_000)
+    message_id: str | None = Field(None, pattern=MESSAGE_ID_PATTERN)
 
 
 class MessageOut(BaseModel):
@@ -50,18 +66,68 @@ class MessageOut(BaseModel):
         )
 
 
-@router.post("/v1/agents/{agent}/chats/{chat_id}/messages", response_model=MessageOut)
+class MessageState(BaseModel):
+    message_id: str
+    state: str
+    conversation: str
+    reply: str | None = None
+
+
+def _chat(chat_id: str) -> str:
+    if "\x00" in chat_id or len(chat_id) > 512:
+        raise ApiError(400, "bad_chat_id", "chat id must be 1-512 characters without NUL")
+    return chat_id
+
+
+@router.post(
+    "/v1/agents/{agent}/chats/{chat_id}/messages",
+    response_model=MessageOut | MessageState,
+    responses={202: {"model": MessageState}},
+)
 async def post_message(
     agent: str,
     chat_id: str,
     body: MessageIn,
     who: CallerKey,
     ctx: Annotated[ApiContext, Depends(context)],
-) -> MessageOut:
-    """Send a message in the API chat `chat_id` and wait for the agent's reply."""
+    response: Response,
+    wait: Annotated[bool, Query(description="false: answer 202 once stored")] = True,
+) -> MessageOut | MessageState:
+    """Send a message in the API chat `chat_id`; by default wait for the agent's reply."""
     agent_id(agent)
-    if "\x00" in chat_id or len(chat_id) > 512:
-        raise ApiError(400, "bad_chat_id", "chat id must be 1-512 characters without NUL")
+    _chat(chat_id)
     require(ctx, who, agent, "message")
-    outcome = await ctx.gateway.turn(agent, "api", chat_id, body.text)
-    return MessageOut.of(outcome)
+    mid = body.message_id or uuid.uuid4().hex
+    if wait:
+        outcome = await ctx.gateway.turn(agent, "api", chat_id, body.text, message_id=mid)
+        return MessageOut.of(outcome)
+    msg, _ = await ctx.gateway.submit(agent, "api", chat_id, body.text, message_id=mid)
+    response.status_code = 202
+    key = ConversationKey(agent, "api", chat_id)
+    return MessageState(message_id=mid, state=msg.state.value, conversation=key.dir_name)
+
+
+@router.get("/v1/agents/{agent}/chats/{chat_id}/messages/{message_id}", response_model=MessageState)
+async def get_message(
+    agent: str,
+    chat_id: str,
+    message_id: Annotated[str, Path(pattern=MESSAGE_ID_PATTERN)],
+    who: CallerKey,
+    ctx: Annotated[ApiContext, Depends(context)],
+) -> MessageState:
+    """The state of a message sent in the API chat `chat_id`, and its reply once answered."""
+    agent_id(agent)
+    _chat(chat_id)
+    require(ctx, who, agent, "message")
+    key = ConversationKey(agent, "api", chat_id)
+    store = ctx.store
+    msg = await asyncio.to_thread(store.find_message, conversation_id(key), message_id)
+    if msg is None:
+        raise ApiError(404, "unknown_message", f"no message {message_id!r} in this chat")
+    reply = await asyncio.to_thread(store.reply_for_message, msg.id)
+    return MessageState(
+        message_id=message_id,
+        state=msg.state.value,
+        conversation=key.dir_name,
+        reply=reply.text if reply else None,
+    )

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from fastapi import Request
@@ -15,30 +14,17 @@ __all__ = ["ApiContext", "context", "gateway_store"]
 
 
 def gateway_store(gateway: Gateway) -> Store:
-    """The gateway's store (`Gateway.store`), or one opened on its state directory.
-
-    When every `Gateway` carries `store`, this becomes `return gateway.store`.
-    """
-    store = getattr(gateway, "store", None)
-    if isinstance(store, Store):
-        return store
-    return Store.open(gateway.config.gateway.state_dir)
+    """The gateway's store: the one source of truth (D1)."""
+    return gateway.store
 
 
 @dataclass
 class ApiContext:
     gateway: Gateway
-    _store: Store | None = None
-    _lock: threading.Lock = field(default_factory=threading.Lock)
 
     @property
     def store(self) -> Store:
-        """Opened on first use, so `create_app` does no I/O."""
-        if self._store is None:
-            with self._lock:
-                if self._store is None:
-                    self._store = gateway_store(self.gateway)
-        return self._store
+        return gateway_store(self.gateway)
 
     def agent_known(self, agent: str) -> bool:
         return agent in self.gateway.agents

@@ -167,6 +167,17 @@ class MessagesMixin(StoreBase):
             ).fetchone()
         return _message(row), False
 
+    def find_message(
+        self, conversation: ConversationId, platform_message_id: str
+    ) -> Message | None:
+        """The message a platform (or an API client) knows by its own id."""
+        with self._db.read() as c:
+            row = c.execute(
+                "SELECT * FROM messages WHERE conversation_id = ? AND platform_message_id = ?",
+                (conversation, platform_message_id),
+            ).fetchone()
+        return None if row is None else _message(row)
+
     def get_message(self, message_id: MessageId) -> Message | None:
         with self._db.read() as c:
             row = c.execute("SELECT * FROM messages WHERE id = ?", (message_id,)).fetchone()

@@ -12,7 +12,6 @@ import os
 import shutil
 import socket
 import threading
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -73,15 +72,46 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _prepare_app(tmp: Path) -> Path:
-    app_dir = tmp / "app-src"
+def _prepare_app(tmp: Path, name: str = "e2e") -> Path:
+    app_dir = tmp / f"app-src-{name}"
     shutil.copytree(sample_app_dir(), app_dir, symlinks=True)
     manifest = yaml.safe_load((app_dir / "app.yaml").read_text())
-    manifest["name"] = "e2e"
-    manifest["services"]["agent"]["name"] = "e2e-bot"
+    manifest["name"] = name
+    manifest["services"]["agent"]["name"] = f"{name}-bot"
     manifest["services"]["agent"]["environment"] = {**APP_SECRETS, **APP_PUBLIC_ENV}
     (app_dir / "app.yaml").write_text(yaml.safe_dump(manifest))
     return app_dir
+
+
+def install_test_app(
+    tmp: Path, docker_client: Any, base_image: str, name: str, gateway: dict[str, Any] | None = None
+) -> Path:
+    """A state dir with the sample app installed as `name` (agent `<name>-bot`); its config."""
+    state = tmp / f"state-{name}"
+    state.mkdir()
+    config_path = state / "config.json"
+    write_config_document(
+        config_path,
+        {
+            "gateway": {"stateDir": str(state), **(gateway or {})},
+            "apiKeys": [{"name": name, "key": CONFIG_KEY, "agents": [f"{name}-bot"]}],
+            "agents": [],
+        },
+    )
+    install_app(
+        _prepare_app(tmp, name),
+        config_path,
+        state,
+        docker_client,
+        lambda _: None,
+        build_args={"BASE_IMAGE": base_image},
+    )
+    return config_path
+
+
+def remove_app_containers(docker_client: Any, app: str) -> None:
+    for c in docker_client.containers.list(all=True, filters={"label": f"{LABEL_APP}={app}"}):
+        c.remove(force=True)
 
 
 @pytest.fixture(scope="session")
@@ -154,9 +184,7 @@ def live(
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
-        for c in docker_client.containers.list(all=True, filters={"label": f"{LABEL_APP}=e2e"}):
-            c.remove(force=True)
-        time.sleep(0)
+        remove_app_containers(docker_client, "e2e")
 
 
 def config_text(live: LiveGateway) -> str:

@@ -1,0 +1,144 @@
+"""Reaping (S5), recovery of containers (D2) and heartbeats (M4) on a real engine."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from orchestrator.config import load_config, write_config_document
+from orchestrator.conversations import ConversationKey
+from orchestrator.gateway import Gateway
+from orchestrator.memory import heartbeat_conversation
+from orchestrator.store import conversation_id
+from sandbox.backends.docker import DockerBackend
+from sandbox.spec import (
+    LABEL_AGENT,
+    LABEL_APP,
+    LABEL_CONVERSATION,
+    LABEL_MANAGED,
+    LABEL_SPEC_HASH,
+    sandbox_name,
+)
+from tests.e2e.conftest import install_test_app, remove_app_containers
+
+pytestmark = pytest.mark.docker
+
+APP = "life"
+AGENT = "life-bot"
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 1_000_000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+@pytest.fixture(scope="module")
+def config_path(
+    tmp_path_factory: pytest.TempPathFactory, docker_client: Any, base_image: str
+) -> Iterator[Path]:
+    path = install_test_app(tmp_path_factory.mktemp("life"), docker_client, base_image, APP)
+    yield path
+    remove_app_containers(docker_client, APP)
+
+
+@pytest.fixture
+async def gateway(config_path: Path) -> AsyncIterator[tuple[Gateway, Clock]]:
+    clock = Clock()
+    gw = Gateway(load_config(config_path), DockerBackend.from_env(), clock=clock)
+    yield gw, clock
+    await gw.close()
+
+
+def _names(docker_client: Any) -> set[str]:
+    found = docker_client.containers.list(all=True, filters={"label": f"{LABEL_APP}={APP}"})
+    return {c.name for c in found}
+
+
+async def test_S5_sandbox_reaped_after_idle_minutes_and_recreated_on_demand(
+    gateway: tuple[Gateway, Clock], docker_client: Any
+) -> None:
+    gw, clock = gateway
+    await gw.turn(AGENT, "api", "reap-me", "echo hi")
+    name = sandbox_name(APP, ConversationKey(AGENT, "api", "reap-me").digest)
+    reaper = gw.reaper()
+    clock.t += 29 * 60
+    assert name not in await reaper.run_once()
+    assert name in _names(docker_client)
+    clock.t += 2 * 60
+    assert name in await reaper.run_once()
+    assert name not in _names(docker_client)
+    assert gw.store.get_sandbox(name) is None
+    conv = conversation_id(ConversationKey(AGENT, "api", "reap-me"))
+    assert gw.store.live_sessions(conversation=conv) == []
+    # Its memory outlives the container; the next turn gets a new one.
+    out = await gw.turn(AGENT, "api", "reap-me", "echo back")
+    assert "back" in out.result.reply and name in _names(docker_client)
+
+
+async def test_D2_start_removes_orphaned_and_stale_sandboxes(
+    gateway: tuple[Gateway, Clock], docker_client: Any, base_image: str
+) -> None:
+    gw, _ = gateway
+    await gw.turn(AGENT, "api", "stale-one", "true")
+    stale = sandbox_name(APP, ConversationKey(AGENT, "api", "stale-one").digest)
+    # Drift the stale one's spec: a new persona file changes the mount plan.
+    ws = gw.agent(AGENT).app.workspace  # type: ignore[union-attr]
+    (ws / "HEARTBEAT.md").write_text("check the shop once an hour\n")
+    orphan = f"{APP}-agent-c-orphan0000000000"
+    docker_client.containers.create(
+        base_image, "sleep infinity", name=orphan, network_mode="none",
+        labels={LABEL_MANAGED: "1", LABEL_APP: APP, LABEL_AGENT: AGENT,
+                LABEL_CONVERSATION: "no-such-conversation", LABEL_SPEC_HASH: "x"},
+    )  # fmt: skip
+    other = docker_client.containers.create(
+        base_image, "sleep infinity", name="other-agent-c-0000", network_mode="none",
+        labels={LABEL_MANAGED: "1", LABEL_APP: "another-gateways-app"},
+    )  # fmt: skip
+    try:
+        restarted = Gateway(gw.config, DockerBackend.from_env(), clock=gw.clock)
+        try:
+            await restarted.start()
+        finally:
+            await restarted.close()
+        names = _names(docker_client)
+        assert orphan not in names and stale not in names
+        other.reload()  # another gateway's sandbox is left alone
+    finally:
+        other.remove(force=True)
+        (ws / "HEARTBEAT.md").unlink()
+
+
+async def test_M4_heartbeat_runs_in_live_sessions_else_in_its_own(
+    config_path: Path, docker_client: Any
+) -> None:
+    doc = json.loads(config_path.read_text())
+    doc["agents"][0]["heartbeat"] = {"everyMinutes": 60, "prompt": "echo heartbeat-ran; pwd"}
+    hb_config = config_path.with_name("config-hb.json")
+    write_config_document(hb_config, doc)
+    gw = Gateway(load_config(hb_config), DockerBackend.from_env())
+    try:
+        for s in gw.store.live_sessions(AGENT):
+            gw.store.end_session(s.id)
+        (only,) = await gw.heartbeat_once(AGENT)
+        assert only[0] == heartbeat_conversation(AGENT)
+        assert "heartbeat-ran" in only[1].reply
+        await gw.turn(AGENT, "api", "hb-chat", "true")
+        ran = await gw.heartbeat_once(AGENT)
+        keys = [k for k, _ in ran]
+        assert ConversationKey(AGENT, "api", "hb-chat") in keys
+        assert heartbeat_conversation(AGENT) not in keys
+        ws = gw.agent(AGENT).app.workspace  # type: ignore[union-attr]
+        chat = ws / "chats" / ConversationKey(AGENT, "api", "hb-chat").dir_name
+        roles = [
+            json.loads(x)["role"] for x in (chat / "transcript.jsonl").read_text().splitlines()
+        ]
+        assert "heartbeat" in roles
+    finally:
+        await gw.close()
