@@ -20,26 +20,45 @@ if [ "${#need_pkgs[@]}" -gt 0 ]; then
   DEBIAN_FRONTEND=noninteractive apt-get install -y -q "${need_pkgs[@]}" >&2
 fi
 
+# gVisor runs here only with its network off; --host-uds=open lets a sandbox
+# connect to the one host socket it has mounted (its bridge) and nothing else.
+ensure_daemon_json() {
+  [ "$(id -u)" = 0 ] || return 1
+  command -v runsc >/dev/null 2>&1 || return 1
+  mkdir -p /etc/docker
+  python3 - "$(command -v runsc)" <<'PY'
+import json, os, sys
+path = "/etc/docker/daemon.json"
+try:
+    with open(path) as f:
+        doc = json.load(f)
+except FileNotFoundError:
+    doc = {"storage-driver": "overlay2"}
+want = {"path": sys.argv[1], "runtimeArgs": ["--network=none", "--host-uds=open"]}
+if doc.get("runtimes", {}).get("runsc") == want:
+    sys.exit(1)
+doc.setdefault("runtimes", {})["runsc"] = want
+tmp = path + ".tmp"
+with open(tmp, "w") as f:
+    json.dump(doc, f, indent=2)
+os.replace(tmp, path)
+PY
+}
+
+if ensure_daemon_json; then
+  log "registered the runsc runtime in /etc/docker/daemon.json"
+  if pgrep -x dockerd >/dev/null 2>&1; then
+    pkill -HUP -x dockerd && log "asked dockerd to reload its runtimes"
+    sleep 1
+  fi
+fi
+
 if docker info >/dev/null 2>&1; then
-  log "a Docker engine already answers"; exit 0
+  log "a Docker engine answers"; exit 0
 fi
 
 if [ "$(id -u)" != 0 ]; then
   log "no Docker engine answers and starting one needs root"; exit 1
-fi
-
-mkdir -p /etc/docker
-if [ ! -f /etc/docker/daemon.json ] && command -v runsc >/dev/null 2>&1; then
-  # gVisor runs here only with its network off.
-  cat > /etc/docker/daemon.json <<JSON
-{
-  "storage-driver": "overlay2",
-  "runtimes": {
-    "runsc": {"path": "$(command -v runsc)", "runtimeArgs": ["--network=none"]}
-  }
-}
-JSON
-  log "wrote /etc/docker/daemon.json (overlay2, runsc runtime)"
 fi
 
 if command -v systemctl >/dev/null 2>&1 && [ -d /run/systemd/system ]; then

@@ -51,6 +51,7 @@ class LiveGateway:
     agent: str
     docker: Any
     gateway: Gateway
+    runtime: str
 
     def say(self, chat: str, text: str, timeout: float = 120) -> httpx.Response:
         return httpx.post(
@@ -114,30 +115,25 @@ def remove_app_containers(docker_client: Any, app: str) -> None:
         c.remove(force=True)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="session", params=["runc", "runsc"])
 def live(
-    tmp_path_factory: pytest.TempPathFactory, docker_client: Any, base_image: str
+    request: pytest.FixtureRequest,
+    tmp_path_factory: pytest.TempPathFactory,
+    docker_client: Any,
+    base_image: str,
 ) -> Iterator[LiveGateway]:
-    tmp = tmp_path_factory.mktemp("e2e")
-    state = tmp / "state"
-    state.mkdir()
-    config_path = state / "config.json"
-    write_config_document(
-        config_path,
-        {
-            "gateway": {"stateDir": str(state), "limits": {"pids": 64}},
-            "apiKeys": [{"name": "e2e", "key": CONFIG_KEY, "agents": ["e2e-bot"]}],
-            "agents": [],
-        },
+    """The gateway under each runtime the engine has: runc, and gVisor where registered."""
+    runtime = request.param
+    gateway: dict[str, Any] = {"limits": {"pids": 64}}
+    if runtime == "runsc":
+        if "runsc" not in (docker_client.info().get("Runtimes") or {}):
+            pytest.skip("the engine has no runsc runtime registered")
+        gateway["runtime"] = "runsc"
+    app = "e2e" if runtime == "runc" else "e2egv"
+    config_path = install_test_app(
+        tmp_path_factory.mktemp(app), docker_client, base_image, app, gateway
     )
-    install_app(
-        _prepare_app(tmp),
-        config_path,
-        state,
-        docker_client,
-        lambda _: None,
-        build_args={"BASE_IMAGE": base_image},
-    )
+    state = config_path.parent
     saved = {k: os.environ.get(k) for k in CANARIES}
     os.environ.update(CANARIES)
     port = _free_port()
@@ -171,10 +167,11 @@ def live(
             f"http://127.0.0.1:{port}",
             CONFIG_KEY,
             state,
-            "e2e",
-            "e2e-bot",
+            app,
+            f"{app}-bot",
             docker_client,
             holder["gateway"],
+            runtime,
         )
     finally:
         holder["server"].should_exit = True
@@ -184,7 +181,7 @@ def live(
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
-        remove_app_containers(docker_client, "e2e")
+        remove_app_containers(docker_client, app)
 
 
 def config_text(live: LiveGateway) -> str:
