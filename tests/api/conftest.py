@@ -9,9 +9,7 @@ one key in the config file.
 
 from __future__ import annotations
 
-import asyncio
 import socket
-import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,14 +17,13 @@ from typing import Any
 
 import httpx
 import pytest
-import uvicorn
 
-from orchestrator.api import create_app
-from orchestrator.config import load_config, write_config_document
+from orchestrator.config import write_config_document
 from orchestrator.conversations import ConversationKey
 from orchestrator.gateway import Gateway
 from orchestrator.store import Conversation, Session, Store
 from tests.fakes.no_engine import NoEngineBackend
+from tests.support.served import served_gateway
 
 PNG = b"\x89PNG\r\n\x1a\n" + b"\x00" * 32
 CONFIG_KEY = "cfg-open-key-0123456789abcdef"
@@ -71,12 +68,6 @@ class Live:
     def request(self, method: str, path: str, key: str | None = None, **kw: Any) -> httpx.Response:
         with self.client(key) as c:
             return c.request(method, path, **kw)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def raw_get(url: str, target: str, key: str | None = None) -> tuple[int, bytes]:
@@ -157,37 +148,10 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Live]:
     )
     store = Store.open(state)
     seed = seed_store(store, state)
-    port = free_port()
-    holder: dict[str, Any] = {}
-    ready = threading.Event()
-
-    def serve() -> None:
-        async def main() -> None:
-            gw = Gateway(load_config(config_path), NoEngineBackend())
-            holder["gateway"] = gw
-            server = uvicorn.Server(
-                uvicorn.Config(
-                    create_app(gw), host="127.0.0.1", port=port, log_level="warning", lifespan="off"
-                )
-            )
-            holder["server"] = server
-            task = asyncio.create_task(server.serve())
-            while not server.started:  # noqa: ASYNC110 - uvicorn has no started event
-                await asyncio.sleep(0.02)
-            ready.set()
-            await task
-            await gw.close()
-
-        asyncio.run(main())
-
-    thread = threading.Thread(target=serve, daemon=True)
-    thread.start()
-    assert ready.wait(30), "gateway did not start"
     try:
-        yield Live(f"http://127.0.0.1:{port}", state, store, holder["gateway"], seed)
+        with served_gateway(config_path, NoEngineBackend) as (url, gw):
+            yield Live(url, state, store, gw, seed)
     finally:
-        holder["server"].should_exit = True
-        thread.join(30)
         store.close()
 
 

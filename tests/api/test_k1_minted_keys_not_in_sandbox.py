@@ -12,11 +12,9 @@ host directory mounted into it) for the exact secrets.
 
 from __future__ import annotations
 
-import asyncio
 import os
 import re
 import shutil
-import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,15 +24,13 @@ import httpx
 import pytest
 import yaml
 
-from orchestrator.api import create_app
 from orchestrator.apps import install_app
-from orchestrator.config import load_config, write_config_document
+from orchestrator.config import write_config_document
 from orchestrator.demo import sample_app_dir
-from orchestrator.gateway import Gateway
 from orchestrator.keys import create_operator_key, mint_host_agent_key
 from orchestrator.store import Store
 from sandbox.spec import LABEL_APP
-from tests.api.conftest import free_port
+from tests.support.served import served_gateway
 
 pytestmark = pytest.mark.docker
 
@@ -77,7 +73,6 @@ def _app_dir(tmp: Path) -> Path:
 def minted(
     tmp_path_factory: pytest.TempPathFactory, docker_client: Any, base_image: str
 ) -> Iterator[Minted]:
-    import uvicorn
 
     from sandbox.backends.docker import DockerBackend
 
@@ -109,36 +104,10 @@ def minted(
     secrets = {"admin": admin, "agent": agent, "mcp": mcp, "config": CONFIG_KEY}
     saved = os.environ.get(PLANTED_ENV)
     os.environ[PLANTED_ENV] = admin
-    port = free_port()
-    holder: dict[str, Any] = {}
-    ready = threading.Event()
-
-    def serve() -> None:
-        async def main() -> None:
-            gw = Gateway(load_config(config_path), DockerBackend.from_env())
-            server = uvicorn.Server(
-                uvicorn.Config(
-                    create_app(gw), host="127.0.0.1", port=port, log_level="warning", lifespan="off"
-                )
-            )
-            holder["server"] = server
-            task = asyncio.create_task(server.serve())
-            while not server.started:  # noqa: ASYNC110 - uvicorn has no started event
-                await asyncio.sleep(0.02)
-            ready.set()
-            await task
-            await gw.close()
-
-        asyncio.run(main())
-
-    thread = threading.Thread(target=serve, daemon=True)
-    thread.start()
-    assert ready.wait(30), "gateway did not start"
     try:
-        yield Minted(f"http://127.0.0.1:{port}", state, docker_client, secrets)
+        with served_gateway(config_path, DockerBackend.from_env) as (url, _):
+            yield Minted(url, state, docker_client, secrets)
     finally:
-        holder["server"].should_exit = True
-        thread.join(30)
         if saved is None:
             os.environ.pop(PLANTED_ENV, None)
         else:

@@ -6,12 +6,9 @@ and the app's declared environment; the tests look for them from inside.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import shutil
-import socket
-import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,16 +16,15 @@ from typing import Any
 
 import httpx
 import pytest
-import uvicorn
 import yaml
 
-from orchestrator.api import create_app
 from orchestrator.apps import install_app
-from orchestrator.config import load_config, write_config_document
+from orchestrator.config import write_config_document
 from orchestrator.demo import sample_app_dir
 from orchestrator.gateway import Gateway
 from sandbox.backends.docker import DockerBackend
 from sandbox.spec import LABEL_APP
+from tests.support.served import served_gateway
 
 CANARIES = {
     "TELEGRAM_BOT_TOKEN": "123456789:canaryTELEGRAMtokenAAAAAAAAAAAAAAAAAAAA",
@@ -65,12 +61,6 @@ class LiveGateway:
         r = self.say(chat, text)
         assert r.status_code == 200, r.text
         return str(r.json()["reply"])
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _prepare_app(tmp: Path, name: str = "e2e") -> Path:
@@ -136,46 +126,10 @@ def live(
     state = config_path.parent
     saved = {k: os.environ.get(k) for k in CANARIES}
     os.environ.update(CANARIES)
-    port = _free_port()
-    holder: dict[str, Any] = {}
-    ready = threading.Event()
-
-    def serve() -> None:
-        async def main() -> None:
-            gw = Gateway(load_config(config_path), DockerBackend.from_env())
-            holder["gateway"] = gw
-            server = uvicorn.Server(
-                uvicorn.Config(
-                    create_app(gw), host="127.0.0.1", port=port, log_level="warning", lifespan="off"
-                )
-            )
-            holder["server"] = server
-            task = asyncio.create_task(server.serve())
-            while not server.started:  # noqa: ASYNC110 - uvicorn offers no started event
-                await asyncio.sleep(0.02)
-            ready.set()
-            await task
-            await gw.close()
-
-        asyncio.run(main())
-
-    thread = threading.Thread(target=serve, daemon=True)
-    thread.start()
-    assert ready.wait(30), "gateway did not start"
     try:
-        yield LiveGateway(
-            f"http://127.0.0.1:{port}",
-            CONFIG_KEY,
-            state,
-            app,
-            f"{app}-bot",
-            docker_client,
-            holder["gateway"],
-            runtime,
-        )
+        with served_gateway(config_path, DockerBackend.from_env) as (url, gw):
+            yield LiveGateway(url, CONFIG_KEY, state, app, f"{app}-bot", docker_client, gw, runtime)
     finally:
-        holder["server"].should_exit = True
-        thread.join(30)
         for k, v in saved.items():
             if v is None:
                 os.environ.pop(k, None)

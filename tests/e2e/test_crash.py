@@ -22,7 +22,8 @@ import pytest
 
 from orchestrator.store import Store
 from sandbox.spec import LABEL_AGENT, LABEL_APP, LABEL_CONVERSATION, LABEL_MANAGED
-from tests.e2e.conftest import CONFIG_KEY, _free_port, install_test_app, remove_app_containers
+from tests.e2e.conftest import CONFIG_KEY, install_test_app, remove_app_containers
+from tests.support.served import free_port
 
 pytestmark = pytest.mark.docker
 
@@ -88,7 +89,7 @@ def test_D1_D2_sigkill_in_flight_every_message_answered_exactly_once(
 ) -> None:
     config = install_test_app(tmp_path, docker_client, base_image, APP,
                               {"maxConcurrentTurns": 4})  # fmt: skip
-    gw = GatewayProcess(config, _free_port(), tmp_path / "gateway.log")
+    gw = GatewayProcess(config, free_port(), tmp_path / "gateway.log")
     rng = random.Random(int(os.environ.get("CELLGATE_CRASH_SEED", "20261202")))
     plan = [(f"c{c}", f"m-{c}-{i}", i) for i in range(PER_CHAT) for c in range(CHATS)]
     accepted: set[str] = set()
