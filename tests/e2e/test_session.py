@@ -64,3 +64,11 @@ def test_D3_transcript_and_session_kept_in_the_conversation_dir(live: LiveGatewa
     assert [x["role"] for x in lines] == ["user", "assistant", "user", "assistant"]
     assert lines[3]["text"].startswith("second")
     assert json.loads((chat / "session.json").read_text())["session"]
+
+
+def test_M2_memory_is_keyed_by_chat_even_for_one_account(live: LiveGateway) -> None:
+    live.run("family-parent-1", "cd chats/*/ && echo 'parent one note' >> MEMORY.md")
+    reply = live.run("family-parent-2", "cat chats/*/MEMORY.md; echo /workspace/chats/*")
+    assert "parent one note" not in reply
+    one = ConversationKey(live.agent, "api", "family-parent-1").dir_name
+    assert one not in reply
