@@ -54,15 +54,16 @@ def conversation_id(key: ConversationKey) -> ConversationId:
     return ConversationId(hashlib.sha256(raw).hexdigest()[:32])
 
 
-def _conversation(row: sqlite3.Row) -> Conversation:
+def _conversation(row: sqlite3.Row, prefix: str = "", id_column: str = "id") -> Conversation:
+    """A conversation row; `prefix` reads the columns of a join that aliased them."""
     return Conversation(
-        id=ConversationId(row["id"]),
-        agent=row["agent"],
-        channel=row["channel"],
-        chat_id=row["chat_id"],
-        dir_name=row["dir_name"],
-        created_at=ts(row["created_at"]),
-        last_active_at=ts(row["last_active_at"]),
+        id=ConversationId(row[id_column]),
+        agent=row[f"{prefix}agent"],
+        channel=row[f"{prefix}channel"],
+        chat_id=row[f"{prefix}chat_id"],
+        dir_name=row[f"{prefix}dir_name"],
+        created_at=ts(row[f"{prefix}created_at"]),
+        last_active_at=ts(row[f"{prefix}last_active_at"]),
     )
 
 

@@ -195,14 +195,5 @@ def shares_of_agent(
         ).fetchall()
     out: list[tuple[Share, Conversation]] = []
     for r in rows:
-        conv = Conversation(
-            id=ConversationId(r["conversation_id"]),
-            agent=r["c_agent"],
-            channel=r["c_channel"],
-            chat_id=r["c_chat_id"],
-            dir_name=r["c_dir_name"],
-            created_at=ts(r["c_created_at"]),
-            last_active_at=ts(r["c_last_active_at"]),
-        )
-        out.append((_share(r), conv))
+        out.append((_share(r), _conversation(r, "c_", "conversation_id")))
     return out
