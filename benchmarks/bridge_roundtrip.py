@@ -39,6 +39,7 @@ import docker
 import docker.errors
 import yaml
 
+from cellgate.models import ConversationKey
 from orchestrator.apps import install_app
 from orchestrator.bridge import (
     BridgeScope,
@@ -51,7 +52,6 @@ from orchestrator.bridge import (
     install_client,
 )
 from orchestrator.config import load_config, write_config_document
-from orchestrator.conversations import ConversationKey
 from orchestrator.demo import sample_app_dir
 from orchestrator.sandboxes import ConversationSandboxes
 from orchestrator.store import Store

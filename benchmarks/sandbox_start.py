@@ -52,8 +52,8 @@ from benchmarks._setup import (
     bench_run,
     percentile,
 )
+from cellgate.models import ConversationKey
 from orchestrator import gateway as gateway_module
-from orchestrator.conversations import ConversationKey
 from orchestrator.gateway import Gateway, TurnOutcome
 from sandbox.backends.docker import EXEC_MARKER_ENV, KILL_AFTER
 from sandbox.mountplan import HOME

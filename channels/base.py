@@ -8,58 +8,8 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
-from enum import StrEnum
 
-
-@dataclass(frozen=True, slots=True)
-class Attachment:
-    kind: str  # "photo", "document", "audio", ...
-    ref: str  # platform file id or URL
-    name: str = ""
-    size: int | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class InboundMessage:
-    agent: str
-    channel: str
-    chat_id: str
-    message_id: str
-    text: str
-    sender: str = ""
-    thread_id: str | None = None
-    attachments: tuple[Attachment, ...] = ()
-
-
-class OutboundKind(StrEnum):
-    REPLY = "reply"
-    REACT = "react"
-    EDIT = "edit"
-    FILE = "file"
-
-
-@dataclass(frozen=True, slots=True)
-class OutboundMessage:
-    """Something the gateway delivers into one chat, keyed for idempotency."""
-
-    channel: str
-    chat_id: str
-    outbound_key: str
-    kind: OutboundKind = OutboundKind.REPLY
-    text: str = ""
-    thread_id: str | None = None
-    reply_to: str | None = None
-    target_message_id: str | None = None
-    file_path: str | None = None
-    file_name: str | None = None
-    extra: dict[str, str] = field(default_factory=dict)
-
-
-@dataclass(frozen=True, slots=True)
-class DeliveryReceipt:
-    platform_message_id: str
-
+from cellgate.models import DeliveryReceipt, InboundMessage, OutboundMessage
 
 InboundHandler = Callable[[InboundMessage], Awaitable[None]]
 

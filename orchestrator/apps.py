@@ -19,15 +19,15 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError, model_validator
 
+from cellgate.errors import AppError, ConfigError
 from orchestrator.config import (
     AGENT_ID_RE,
     HarnessConfig,
     ShellHarness,
-    _first_error,
+    first_validation_error,
     read_config_document,
     write_config_document,
 )
-from orchestrator.errors import AppError, ConfigError
 from sandbox.images import Progress, build_image, image_id
 
 logger = logging.getLogger(__name__)
@@ -91,7 +91,7 @@ def load_manifest(app_dir: Path) -> AppManifest:
     try:
         manifest = AppManifest.model_validate(doc)
     except ValidationError as exc:
-        field, msg = _first_error(exc)
+        field, msg = first_validation_error(exc)
         raise ConfigError(str(path), field, msg) from exc
     svc = manifest.services.agent
     _inside(app_dir, svc.path, "services.agent.path", str(path))

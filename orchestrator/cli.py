@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from orchestrator.errors import CellgateError
+from cellgate.errors import CellgateError
 
 if TYPE_CHECKING:
     from orchestrator.store import Store

@@ -24,7 +24,8 @@ from pydantic import (
     model_validator,
 )
 
-from orchestrator.errors import ConfigError
+from cellgate.errors import ConfigError
+from orchestrator.harnesses.templates import CommandTemplate
 
 logger = logging.getLogger(__name__)
 
@@ -92,8 +93,6 @@ class CommandHarness(_Model):
 
     @model_validator(mode="after")
     def _usable(self) -> CommandHarness:
-        from orchestrator.harnesses.command import CommandTemplate
-
         if self.preset is None and self.argv is None:
             raise ValueError("give a `preset` (claude or codex) or the command's `argv`")
         if self.preset is None:
@@ -198,7 +197,7 @@ def _field_path(loc: tuple[int | str, ...]) -> str:
     return out
 
 
-def _first_error(exc: ValidationError) -> tuple[str, str]:
+def first_validation_error(exc: ValidationError) -> tuple[str, str]:
     err = exc.errors()[0]
     msg = err["msg"]
     if err["type"] == "bool_type":
@@ -233,7 +232,7 @@ def parse_config(doc: dict[str, Any], source: str) -> GatewayConfig:
     try:
         base = GatewayConfig.model_validate(rest)
     except ValidationError as exc:
-        field, msg = _first_error(exc)
+        field, msg = first_validation_error(exc)
         raise ConfigError(source, field, msg) from exc
     agents: list[AgentConfig] = []
     skipped: list[str] = []
@@ -243,7 +242,7 @@ def parse_config(doc: dict[str, Any], source: str) -> GatewayConfig:
         try:
             agent = AgentConfig.model_validate(raw)
         except ValidationError as exc:
-            field, msg = _first_error(exc)
+            field, msg = first_validation_error(exc)
             reason = f"{source}: agents[{i}] ({name}): {field}: {msg}; agent skipped"
             logger.error("%s", reason)
             skipped.append(reason)

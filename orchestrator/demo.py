@@ -18,9 +18,9 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from cellgate.errors import AppError
 from orchestrator.apps import InstalledApp, install_app
 from orchestrator.config import load_config, write_config_document
-from orchestrator.errors import AppError
 from sandbox.images import docker_client, image_exists
 
 logger = logging.getLogger(__name__)

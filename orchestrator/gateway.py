@@ -16,7 +16,9 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from channels.base import Channel, DeliveryReceipt, OutboundMessage
+from cellgate.errors import AgentUnavailable, AppError, CellgateError, TurnTimeout, UnknownAgent
+from cellgate.models import ConversationKey, DeliveryReceipt, OutboundMessage
+from channels.base import Channel
 from orchestrator.apps import InstalledApp
 from orchestrator.bridge import (
     BridgeScope,
@@ -29,8 +31,6 @@ from orchestrator.bridge import (
     install_client,
 )
 from orchestrator.config import AgentConfig, GatewayConfig, HeartbeatSettings
-from orchestrator.conversations import ConversationKey
-from orchestrator.errors import AgentUnavailable, AppError, CellgateError, TurnTimeout, UnknownAgent
 from orchestrator.harnesses.base import DispatchResult, Harness, SessionContext
 from orchestrator.harnesses.command import CommandHarness
 from orchestrator.harnesses.openai import OpenAIHarness

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
+from cellgate.errors import PolicyDenied, StoreError
 from orchestrator.config import is_valid_agent_id
-from orchestrator.errors import PolicyDenied, StoreError
 from orchestrator.store import ApiKey, Store
 from policies.api_access import (
     WILDCARD,

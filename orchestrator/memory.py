@@ -34,8 +34,8 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Literal
 
+from cellgate.models import HEARTBEAT_CHAT, ConversationKey
 from orchestrator.config import MemorySettings
-from orchestrator.conversations import HEARTBEAT_CHAT, ConversationKey
 from policies.memory import budget_banner
 from sandbox.mountplan import WORKSPACE
 

@@ -13,14 +13,10 @@ import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from cellgate.models import ConversationKey
 from orchestrator.apps import InstalledApp
 from orchestrator.config import GatewaySettings
-from orchestrator.conversations import (
-    ConversationKey,
-    ConversationPaths,
-    conversation_paths,
-    ensure_conversation,
-)
+from orchestrator.conversations import ConversationPaths, conversation_paths, ensure_conversation
 from orchestrator.store.messages import conversation_id
 from policies.secrets import env_entry
 from sandbox.backends.base import ImageFacts, SandboxBackend, SandboxHandle

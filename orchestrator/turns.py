@@ -16,7 +16,7 @@ import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
-from orchestrator.errors import CellgateError, StateConflict
+from cellgate.errors import CellgateError, StateConflict
 from orchestrator.store import (
     Conversation,
     ConversationId,

@@ -14,7 +14,7 @@ from typing import Any
 import docker
 import docker.errors
 
-from orchestrator.errors import EngineUnavailable, ImageError
+from cellgate.errors import EngineUnavailable, ImageError
 
 Progress = Callable[[str], None]
 

@@ -18,7 +18,7 @@ from collections.abc import Awaitable, Callable
 from contextlib import AbstractAsyncContextManager
 from typing import TypeVar
 
-from orchestrator.errors import CellgateError
+from cellgate.errors import CellgateError
 from sandbox.backends.base import SandboxBackend, SandboxInfo
 from sandbox.spec import LABEL_APP, LABEL_MANAGED
 

@@ -26,11 +26,11 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Depends, Path, Query, Response
 from pydantic import BaseModel, ConfigDict, Field
 
+from cellgate.models import ConversationKey
 from orchestrator.api.auth import CallerKey, require
 from orchestrator.api.context import ApiContext, context
 from orchestrator.api.errors import ApiError
 from orchestrator.api.ids import agent_id
-from orchestrator.conversations import ConversationKey
 from orchestrator.gateway import TurnOutcome
 from orchestrator.store import conversation_id
 

@@ -3,7 +3,7 @@
 The body is always `{"error": {"code", "message", "rule"?}}`: `code` is stable
 and machine-readable, `message` says what is wrong and how to fix it, and
 `rule` names the SPEC id when a rule refused (K2-K4, P5, P6, S4). cellgate's
-own exceptions (`orchestrator.errors`) stay framework-free; this module is
+own exceptions (`cellgate.errors`) stay framework-free; this module is
 the only place that turns them into HTTP statuses.
 
     ApiError(status, code, message, rule)     raised by the API layer itself
@@ -20,7 +20,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from orchestrator.errors import (
+from cellgate.errors import (
     AgentUnavailable,
     CellgateError,
     ConfigError,

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import re
 
+from cellgate.models import CHANNEL_RE, SESSION_RE
 from orchestrator.api.errors import ApiError
 from orchestrator.config import AGENT_ID_RE
-from orchestrator.conversations import CHANNEL_RE, SESSION_RE
 
 __all__ = [
     "CHAT_PATTERN",

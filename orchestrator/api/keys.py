@@ -11,11 +11,11 @@ from typing import Annotated
 from fastapi import APIRouter, Depends, Path
 from pydantic import BaseModel, ConfigDict, Field
 
+from cellgate.errors import StoreError
 from orchestrator.api.auth import CallerKey, require
 from orchestrator.api.context import ApiContext, context
 from orchestrator.api.errors import ApiError
 from orchestrator.api.ids import key_id
-from orchestrator.errors import StoreError
 from orchestrator.keys import create_operator_key
 from orchestrator.store import ApiKey, KeyId
 

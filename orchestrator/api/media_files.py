@@ -20,12 +20,12 @@ from pathlib import Path
 
 from fastapi.responses import StreamingResponse
 
+from cellgate.errors import CellgateError, PolicyDenied
+from cellgate.models import ConversationKey
 from orchestrator.api.context import ApiContext
 from orchestrator.api.errors import ApiError
 from orchestrator.api.ids import MediaPath, relative_file
 from orchestrator.bridge.safefiles import SafeFile, open_media_file
-from orchestrator.conversations import ConversationKey
-from orchestrator.errors import CellgateError, PolicyDenied
 from orchestrator.store import Conversation, Session, SessionId, conversation_id
 from policies.api_access import MediaOwner
 

@@ -17,9 +17,10 @@ from collections import OrderedDict
 from collections.abc import Mapping
 from typing import Any, Protocol
 
-from channels.base import Channel, DeliveryReceipt, OutboundMessage
+from cellgate.errors import BridgeError
+from cellgate.models import DeliveryReceipt, OutboundMessage
+from channels.base import Channel
 from orchestrator.bridge.scope import BridgeScope
-from orchestrator.errors import BridgeError
 
 __all__ = ["ChannelOutbox", "Outbox", "PendingOutbox", "outbound_key"]
 

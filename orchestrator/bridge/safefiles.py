@@ -25,7 +25,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import NoReturn
 
-from orchestrator.errors import BridgeError, PolicyDenied
+from cellgate.errors import BridgeError, PolicyDenied
 from policies.memory import MemoryFile
 from policies.paths import FileFacts, FileKind, decide, normalize_request
 

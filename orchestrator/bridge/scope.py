@@ -9,7 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import PurePosixPath
 
-from orchestrator.conversations import ConversationKey, ConversationPaths
+from cellgate.models import ConversationKey
+from orchestrator.conversations import ConversationPaths
 from orchestrator.store import ConversationId, SessionId, conversation_id
 from sandbox.mountplan import WORKSPACE
 

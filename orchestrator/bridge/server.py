@@ -32,9 +32,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from cellgate.errors import BridgeError, PolicyDenied
 from orchestrator.bridge.scope import BridgeScope, ScopeState
 from orchestrator.bridge.tools import JSONObject, ToolHandlers
-from orchestrator.errors import BridgeError, PolicyDenied
 
 __all__ = ["SOCKET_NAME", "BridgeLimits", "BridgeServer"]
 

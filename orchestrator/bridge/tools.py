@@ -27,11 +27,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from channels.base import OutboundKind, OutboundMessage
+from cellgate.errors import BridgeError, CellgateError, NotFound, PolicyDenied, StateConflict
+from cellgate.models import OutboundKind, OutboundMessage
 from orchestrator.bridge import safefiles
 from orchestrator.bridge.outbox import Outbox, outbound_key
 from orchestrator.bridge.scope import BridgeScope, ScopeState
-from orchestrator.errors import BridgeError, CellgateError, NotFound, PolicyDenied, StateConflict
 from orchestrator.store import Share, ShareId, Store
 from policies import chats, memory, shares
 from policies import tools as tool_policy

@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from orchestrator.conversations import ConversationKey
+from cellgate.models import ConversationKey
 from sandbox.backends.base import SandboxBackend, SandboxHandle
 
 

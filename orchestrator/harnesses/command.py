@@ -31,10 +31,16 @@ import re
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 from orchestrator import config
 from orchestrator.harnesses.base import DispatchResult, Harness, SessionContext
+from orchestrator.harnesses.templates import (
+    PLACEHOLDER,
+    PRESETS,
+    CommandTemplate,
+    OutputFormat,
+)
 
 __all__ = [
     "MAX_REPLY_CHARS",
@@ -51,63 +57,12 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 MAX_REPLY_CHARS = 16_000
-OutputFormat = Literal["text", "claude-json", "codex-jsonl"]
-PLACEHOLDER = re.compile(r"\{(prompt|session_id)\}")
-ANY_PLACEHOLDER = re.compile(r"\{([A-Za-z_][A-Za-z0-9_]*)\}")
 _SESSION_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
 
 
 def valid_session_id(value: object) -> str | None:
     """`value` if it is a plausible harness session id, else None."""
     return value if isinstance(value, str) and _SESSION_ID.fullmatch(value) else None
-
-
-@dataclass(frozen=True, slots=True)
-class CommandTemplate:
-    """How to start a turn (`argv`), how to resume one (`resume_argv`), how to read it."""
-
-    argv: tuple[str, ...]
-    resume_argv: tuple[str, ...] | None = None
-    output: OutputFormat = "text"
-
-    def __post_init__(self) -> None:
-        if not self.argv:
-            raise ValueError("argv is empty: give the command to run")
-        for part in (*self.argv, *(self.resume_argv or ())):
-            for name in ANY_PLACEHOLDER.findall(part):
-                if name not in ("prompt", "session_id"):
-                    raise ValueError(
-                        f"unknown placeholder {{{name}}} in {part!r}: use {{prompt}} or "
-                        "{session_id}"
-                    )
-        if self.resume_argv is not None and not any("{session_id}" in p for p in self.resume_argv):
-            raise ValueError("resumeArgv must contain {session_id}: it names the session to resume")
-
-    def prompt_on_stdin(self, resume: bool) -> bool:
-        argv = self.resume_argv if resume and self.resume_argv else self.argv
-        return not any("{prompt}" in p for p in argv)
-
-
-PRESETS: dict[str, CommandTemplate] = {
-    "claude": CommandTemplate(
-        argv=("claude", "-p", "--output-format", "json"),
-        resume_argv=("claude", "-p", "--output-format", "json", "--resume", "{session_id}"),
-        output="claude-json",
-    ),
-    "codex": CommandTemplate(
-        argv=("codex", "exec", "--json", "--skip-git-repo-check", "-"),
-        resume_argv=(
-            "codex",
-            "exec",
-            "--json",
-            "--skip-git-repo-check",
-            "resume",
-            "{session_id}",
-            "-",
-        ),
-        output="codex-jsonl",
-    ),
-}
 
 
 def expand(argv: Sequence[str], prompt: str, session_id: str) -> list[str]:

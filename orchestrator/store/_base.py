@@ -9,7 +9,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from orchestrator.errors import NotFound, StateConflict
+from cellgate.errors import NotFound, StateConflict
 from orchestrator.store.db import Database
 
 Clock = Callable[[], float]

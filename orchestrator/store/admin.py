@@ -16,7 +16,7 @@ import sqlite3
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from orchestrator.errors import NotFound, StateConflict, StoreError
+from cellgate.errors import NotFound, StateConflict, StoreError
 from orchestrator.store._base import conflict, dumps, opt_ts, sha256_hex, ts
 from orchestrator.store.models import (
     ApiKey,
@@ -49,7 +49,7 @@ def _cron(row: sqlite3.Row) -> CronJob:
     )
 
 
-def _key(row: sqlite3.Row) -> ApiKey:
+def key_from_row(row: sqlite3.Row) -> ApiKey:
     return ApiKey(
         id=KeyId(row["id"]),
         name=row["name"],
@@ -173,7 +173,7 @@ class AdminMixin(ResourcesMixin):
                 (key_id, name, sha256_hex(secret), prefix, dumps(list(agents)), admin, write,
                  self._now()),
             ).fetchone()  # fmt: skip
-        return _key(row), secret
+        return key_from_row(row), secret
 
     def lookup_key(self, secret: str) -> ApiKey | None:
         """The active key with this secret, or None (unknown, malformed or revoked)."""
@@ -187,7 +187,7 @@ class AdminMixin(ResourcesMixin):
             ).fetchone()
         if row is None or not hmac.compare_digest(row["key_sha256"], digest):
             return None
-        return _key(row)
+        return key_from_row(row)
 
     def touch_key(self, key_id: KeyId) -> None:
         with self._db.write() as c:
@@ -209,7 +209,7 @@ class AdminMixin(ResourcesMixin):
                 if found is None:
                     raise NotFound("API key", key_id)
                 raise StateConflict("API key", key_id, "active", "revoked")
-        return _key(row)
+        return key_from_row(row)
 
     def list_keys(self, *, include_revoked: bool = True) -> list[ApiKey]:
         with self._db.read() as c:
@@ -217,7 +217,7 @@ class AdminMixin(ResourcesMixin):
                 "SELECT * FROM api_keys WHERE ? OR revoked_at IS NULL ORDER BY created_at, rowid",
                 (int(include_revoked),),
             ).fetchall()
-        return [_key(r) for r in rows]
+        return [key_from_row(r) for r in rows]
 
     # -- audit of refusals ---------------------------------------------------
 

@@ -27,7 +27,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from orchestrator.errors import StoreError
+from cellgate.errors import StoreError
 from orchestrator.store.schema import MIGRATIONS, SCHEMA_VERSION
 
 logger = logging.getLogger(__name__)

@@ -24,8 +24,8 @@ import json
 import sqlite3
 from collections.abc import Sequence
 
-from orchestrator.conversations import ConversationKey
-from orchestrator.errors import NotFound, StateConflict, StoreError
+from cellgate.errors import NotFound, StateConflict, StoreError
+from cellgate.models import ConversationKey
 from orchestrator.store._base import StoreBase, conflict, dumps, opt_ts, ts
 from orchestrator.store.models import (
     MESSAGE_EDGES,
@@ -54,7 +54,9 @@ def conversation_id(key: ConversationKey) -> ConversationId:
     return ConversationId(hashlib.sha256(raw).hexdigest()[:32])
 
 
-def _conversation(row: sqlite3.Row, prefix: str = "", id_column: str = "id") -> Conversation:
+def conversation_from_row(
+    row: sqlite3.Row, prefix: str = "", id_column: str = "id"
+) -> Conversation:
     """A conversation row; `prefix` reads the columns of a join that aliased them."""
     return Conversation(
         id=ConversationId(row[id_column]),
@@ -110,12 +112,12 @@ class MessagesMixin(StoreBase):
                 " RETURNING *",
                 (conversation_id(key), key.agent, key.channel, key.chat_id, key.dir_name, now, now),
             ).fetchone()
-        return _conversation(row)
+        return conversation_from_row(row)
 
     def get_conversation(self, conversation: ConversationId) -> Conversation | None:
         with self._db.read() as c:
             row = c.execute("SELECT * FROM conversations WHERE id = ?", (conversation,)).fetchone()
-        return None if row is None else _conversation(row)
+        return None if row is None else conversation_from_row(row)
 
     def conversations(self, agent: str | None = None) -> list[Conversation]:
         with self._db.read() as c:
@@ -124,7 +126,7 @@ class MessagesMixin(StoreBase):
                 " ORDER BY created_at, rowid",
                 (agent,),
             ).fetchall()
-        return [_conversation(r) for r in rows]
+        return [conversation_from_row(r) for r in rows]
 
     # -- inbound messages ----------------------------------------------------
 

@@ -22,11 +22,11 @@ from orchestrator.store import (
     Store,
 )
 from orchestrator.store._base import opt_ts, sha256_hex, ts
-from orchestrator.store.admin import _key
+from orchestrator.store.admin import key_from_row
 from orchestrator.store.db import Database
-from orchestrator.store.messages import _conversation
-from orchestrator.store.resources import _share
-from orchestrator.store.sessions import _SESSION_SELECT, _session
+from orchestrator.store.messages import conversation_from_row
+from orchestrator.store.resources import share_from_row
+from orchestrator.store.sessions import SESSION_SELECT, session_from_row
 
 __all__ = [
     "ActiveDay",
@@ -105,17 +105,17 @@ def conversation_by_dir_name(store: Store, agent: str, dir_name: str) -> Convers
         row = c.execute(
             "SELECT * FROM conversations WHERE agent = ? AND dir_name = ?", (agent, dir_name)
         ).fetchone()
-    return None if row is None else _conversation(row)
+    return None if row is None else conversation_from_row(row)
 
 
 def sessions_of(store: Store, conversation: ConversationId) -> list[Session]:
     """Every session of a conversation, live or ended, oldest first."""
     with _db(store).read() as c:
         rows = c.execute(
-            f"{_SESSION_SELECT} WHERE s.conversation_id = ? ORDER BY s.started_at, s.rowid",
+            f"{SESSION_SELECT} WHERE s.conversation_id = ? ORDER BY s.started_at, s.rowid",
             (conversation,),
         ).fetchall()
-    return [_session(r) for r in rows]
+    return [session_from_row(r) for r in rows]
 
 
 def transcript(
@@ -172,7 +172,7 @@ def key_by_secret(store: Store, secret: str) -> ApiKey | None:
         row = c.execute(
             "SELECT * FROM api_keys WHERE key_sha256 = ?", (sha256_hex(secret),)
         ).fetchone()
-    return None if row is None else _key(row)
+    return None if row is None else key_from_row(row)
 
 
 def shares_of_agent(
@@ -195,5 +195,5 @@ def shares_of_agent(
         ).fetchall()
     out: list[tuple[Share, Conversation]] = []
     for r in rows:
-        out.append((_share(r), _conversation(r, "c_", "conversation_id")))
+        out.append((share_from_row(r), conversation_from_row(r, "c_", "conversation_id")))
     return out

@@ -5,7 +5,7 @@ from __future__ import annotations
 import secrets
 import sqlite3
 
-from orchestrator.errors import NotFound, StateConflict
+from cellgate.errors import NotFound, StateConflict
 from orchestrator.store._base import opt_ts, sha256_hex, ts
 from orchestrator.store.models import (
     ConversationId,
@@ -34,7 +34,7 @@ def _sandbox(row: sqlite3.Row) -> Sandbox:
     )
 
 
-def _share(row: sqlite3.Row) -> Share:
+def share_from_row(row: sqlite3.Row) -> Share:
     return Share(
         id=ShareId(row["id"]),
         session_id=SessionId(row["session_id"]),
@@ -122,7 +122,7 @@ class ResourcesMixin(SessionsMixin):
             ).fetchone()
             if row is None:
                 raise NotFound("session", session_id)
-        return _share(row), token
+        return share_from_row(row), token
 
     def get_share_by_token(self, token: str, *, include_revoked: bool = False) -> Share | None:
         """The share a token opens; None for an unknown or (by default) revoked one."""
@@ -132,13 +132,13 @@ class ResourcesMixin(SessionsMixin):
             ).fetchone()
         if row is None:
             return None
-        share = _share(row)
+        share = share_from_row(row)
         return share if include_revoked or share.active else None
 
     def get_share(self, share_id: ShareId) -> Share | None:
         with self._db.read() as c:
             row = c.execute("SELECT * FROM shares WHERE id = ?", (share_id,)).fetchone()
-        return None if row is None else _share(row)
+        return None if row is None else share_from_row(row)
 
     def revoke_share(self, token_or_id: str, *, revoked_by: str) -> Share:
         """Revoke by share id or by token, recording who did (P6 is decided by the caller).
@@ -160,7 +160,7 @@ class ResourcesMixin(SessionsMixin):
                 " AND revoked_at IS NULL RETURNING *",
                 (self._now(), revoked_by, row["id"]),
             ).fetchone()
-        return _share(updated)
+        return share_from_row(updated)
 
     def list_shares(
         self, conversation: ConversationId | None = None, *, include_revoked: bool = True
@@ -171,7 +171,7 @@ class ResourcesMixin(SessionsMixin):
                 " AND (?2 OR revoked_at IS NULL) ORDER BY created_at, rowid",
                 (conversation, int(include_revoked)),
             ).fetchall()
-        return [_share(r) for r in rows]
+        return [share_from_row(r) for r in rows]
 
     # -- attachment ledger (P3) ---------------------------------------------
 

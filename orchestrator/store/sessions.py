@@ -10,8 +10,8 @@ from __future__ import annotations
 import sqlite3
 import uuid
 
-from orchestrator.conversations import SESSION_RE
-from orchestrator.errors import NotFound, StoreError
+from cellgate.errors import NotFound, StoreError
+from cellgate.models import SESSION_RE
 from orchestrator.store._base import conflict, opt_ts, ts
 from orchestrator.store.messages import MessagesMixin
 from orchestrator.store.models import (
@@ -25,14 +25,14 @@ from orchestrator.store.models import (
     TurnId,
 )
 
-_SESSION_SELECT = (
+SESSION_SELECT = (
     "SELECT s.*, c.agent AS agent,"
     " (SELECT count(*) FROM turns t WHERE t.session_id = s.id AND t.finished_at IS NULL)"
     " AS busy FROM sessions s JOIN conversations c ON c.id = s.conversation_id"
 )
 
 
-def _session(row: sqlite3.Row) -> Session:
+def session_from_row(row: sqlite3.Row) -> Session:
     return Session(
         id=SessionId(row["id"]),
         conversation_id=ConversationId(row["conversation_id"]),
@@ -63,10 +63,10 @@ def _turn(row: sqlite3.Row) -> Turn:
 
 class SessionsMixin(MessagesMixin):
     def _session_row(self, c: sqlite3.Connection, session_id: SessionId) -> Session:
-        row = c.execute(f"{_SESSION_SELECT} WHERE s.id = ?", (session_id,)).fetchone()
+        row = c.execute(f"{SESSION_SELECT} WHERE s.id = ?", (session_id,)).fetchone()
         if row is None:
             raise NotFound("session", session_id)
-        return _session(row)
+        return session_from_row(row)
 
     def open_session(
         self,
@@ -94,8 +94,8 @@ class SessionsMixin(MessagesMixin):
 
     def get_session(self, session_id: SessionId) -> Session | None:
         with self._db.read() as c:
-            row = c.execute(f"{_SESSION_SELECT} WHERE s.id = ?", (session_id,)).fetchone()
-        return None if row is None else _session(row)
+            row = c.execute(f"{SESSION_SELECT} WHERE s.id = ?", (session_id,)).fetchone()
+        return None if row is None else session_from_row(row)
 
     def set_harness_session_id(self, session_id: SessionId, harness_session_id: str) -> Session:
         with self._db.write() as c:
@@ -131,11 +131,11 @@ class SessionsMixin(MessagesMixin):
     ) -> list[Session]:
         with self._db.read() as c:
             rows = c.execute(
-                f"{_SESSION_SELECT} WHERE s.state = 'live' AND (?1 IS NULL OR c.agent = ?1)"
+                f"{SESSION_SELECT} WHERE s.state = 'live' AND (?1 IS NULL OR c.agent = ?1)"
                 " AND (?2 IS NULL OR s.conversation_id = ?2) ORDER BY s.started_at, s.rowid",
                 (agent, conversation),
             ).fetchall()
-        return [_session(r) for r in rows]
+        return [session_from_row(r) for r in rows]
 
     def last_session_end(self, conversation: ConversationId) -> float | None:
         """When the conversation's most recent session ended; None if none has.

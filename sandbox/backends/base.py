@@ -10,7 +10,7 @@ import abc
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from orchestrator.errors import MountVerificationFailed, SandboxError
+from cellgate.errors import MountVerificationFailed, SandboxError
 from sandbox.spec import SandboxSpec
 from sandbox.verify import ObservedContainer, violations
 

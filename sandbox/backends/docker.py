@@ -31,7 +31,7 @@ import docker.errors
 import docker.types
 import requests.exceptions
 
-from orchestrator.errors import EngineUnavailable, ImageError, SandboxError
+from cellgate.errors import EngineUnavailable, ImageError, SandboxError
 from sandbox.backends.base import (
     ExecResult,
     ImageFacts,

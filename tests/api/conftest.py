@@ -18,8 +18,8 @@ from typing import Any
 import httpx
 import pytest
 
+from cellgate.models import ConversationKey
 from orchestrator.config import write_config_document
-from orchestrator.conversations import ConversationKey
 from orchestrator.gateway import Gateway
 from orchestrator.store import Conversation, Session, Store
 from tests.fakes.no_engine import NoEngineBackend

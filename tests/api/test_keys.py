@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
+from cellgate.errors import PolicyDenied, StoreError
 from orchestrator.cli import main
 from orchestrator.config import write_config_document
-from orchestrator.errors import PolicyDenied, StoreError
 from orchestrator.keys import create_operator_key, mint_host_agent_key
 from orchestrator.store import Store
 from orchestrator.store.db import DB_FILE

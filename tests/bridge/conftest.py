@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 import yaml
 
-from channels.base import DeliveryReceipt, OutboundMessage
+from cellgate.models import ConversationKey, DeliveryReceipt, OutboundMessage
 from orchestrator.apps import InstalledApp, install_app
 from orchestrator.bridge import (
     BridgeLimits,
@@ -34,7 +34,7 @@ from orchestrator.bridge import (
     install_client,
 )
 from orchestrator.config import GatewaySettings, load_config, write_config_document
-from orchestrator.conversations import ConversationKey, conversation_paths, ensure_conversation
+from orchestrator.conversations import conversation_paths, ensure_conversation
 from orchestrator.demo import sample_app_dir
 from orchestrator.sandboxes import ConversationSandboxes
 from orchestrator.store import SessionId, Store

@@ -15,7 +15,7 @@ import textwrap
 
 import pytest
 
-from channels.base import OutboundKind
+from cellgate.models import OutboundKind
 from tests.bridge.conftest import SandboxWorld, chat_id_for
 
 pytestmark = pytest.mark.docker

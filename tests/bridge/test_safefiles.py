@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from cellgate.errors import PolicyDenied
 from orchestrator.bridge.safefiles import append_memory, open_media_file
-from orchestrator.errors import PolicyDenied
 
 IN_SANDBOX = "/workspace/media/telegram-42"
 

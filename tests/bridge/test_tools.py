@@ -7,7 +7,7 @@ import json
 import os
 from pathlib import Path
 
-from channels.base import OutboundKind
+from cellgate.models import OutboundKind
 from orchestrator.store import SessionId
 from tests.bridge.conftest import World
 
@@ -307,10 +307,11 @@ async def test_P2_a_thread_the_session_opened_itself_is_allowed(world: World) ->
 
 
 async def test_P1_channel_outbox_routes_by_channel_and_sends_a_key_once() -> None:
-    from channels.base import Channel, DeliveryReceipt, InboundHandler, OutboundMessage
+    from cellgate.errors import BridgeError
+    from cellgate.models import ConversationKey, DeliveryReceipt, OutboundMessage
+    from channels.base import Channel, InboundHandler
     from orchestrator.bridge import BridgeScope, ChannelOutbox, PendingOutbox
-    from orchestrator.conversations import ConversationKey, conversation_paths
-    from orchestrator.errors import BridgeError
+    from orchestrator.conversations import conversation_paths
 
     class Recording(Channel):
         name = "telegram"

@@ -10,7 +10,7 @@ import re
 
 import pytest
 
-from orchestrator.conversations import ConversationKey
+from cellgate.models import ConversationKey
 from tests.e2e.conftest import (
     APP_PUBLIC_ENV,
     APP_SECRETS,

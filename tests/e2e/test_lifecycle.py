@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
+from cellgate.models import ConversationKey
 from orchestrator.config import load_config, write_config_document
-from orchestrator.conversations import ConversationKey
 from orchestrator.gateway import Gateway
 from orchestrator.memory import heartbeat_conversation
 from orchestrator.store import conversation_id

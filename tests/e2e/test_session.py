@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from orchestrator.conversations import ConversationKey
+from cellgate.models import ConversationKey
 from tests.e2e.conftest import LiveGateway
 
 pytestmark = pytest.mark.docker

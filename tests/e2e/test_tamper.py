@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from orchestrator.conversations import ConversationKey
+from cellgate.models import ConversationKey
 from sandbox.spec import sandbox_name
 from tests.e2e.conftest import LiveGateway
 

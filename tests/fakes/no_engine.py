@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from orchestrator.errors import EngineUnavailable
+from cellgate.errors import EngineUnavailable
 from sandbox.backends.base import ExecResult, ImageFacts, SandboxBackend, SandboxHandle, SandboxInfo
 from sandbox.spec import SandboxSpec
 from sandbox.verify import ObservedContainer

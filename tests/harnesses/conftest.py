@@ -19,9 +19,9 @@ from typing import Any
 
 import pytest
 
+from cellgate.models import ConversationKey
 from orchestrator.apps import InstalledApp
 from orchestrator.config import GatewaySettings
-from orchestrator.conversations import ConversationKey
 from orchestrator.harnesses.base import SessionContext
 from orchestrator.sandboxes import ConversationSandboxes, PreparedSandbox
 from policies.tools import session_env_flags

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from cellgate.errors import ConfigError
 from orchestrator.config import load_config, parse_config
-from orchestrator.errors import ConfigError
 
 
 def write(tmp_path: Path, doc: object) -> Path:

@@ -7,12 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.conversations import (
-    ConversationKey,
-    conversation_paths,
-    ensure_conversation,
-)
-from orchestrator.errors import ConversationError
+from cellgate.errors import ConversationError
+from cellgate.models import ConversationKey
+from orchestrator.conversations import conversation_paths, ensure_conversation
 
 HOSTILE_IDS = [
     "-1001234567890",

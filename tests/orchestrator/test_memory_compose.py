@@ -12,13 +12,9 @@ from pathlib import Path
 
 import pytest
 
+from cellgate.models import HEARTBEAT_CHAT, ConversationKey
 from orchestrator.config import MemorySettings
-from orchestrator.conversations import (
-    HEARTBEAT_CHAT,
-    ConversationKey,
-    conversation_paths,
-    ensure_conversation,
-)
+from orchestrator.conversations import conversation_paths, ensure_conversation
 from orchestrator.memory import (
     HARD_FILE_CHARS,
     HeartbeatTarget,

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.conversations import ConversationKey
-from orchestrator.errors import NotFound, StateConflict, StoreError
+from cellgate.errors import NotFound, StateConflict, StoreError
+from cellgate.models import ConversationKey
 from orchestrator.store import (
     ATTACHMENT_LEDGER_SIZE,
     DB_FILE,

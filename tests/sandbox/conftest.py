@@ -19,12 +19,8 @@ import docker
 import docker.errors
 import pytest
 
-from orchestrator.conversations import (
-    ConversationKey,
-    ConversationPaths,
-    conversation_paths,
-    ensure_conversation,
-)
+from cellgate.models import ConversationKey
+from orchestrator.conversations import ConversationPaths, conversation_paths, ensure_conversation
 from sandbox.backends.docker import DockerBackend
 from sandbox.mountplan import own_dirs, plan_mounts, scan_workspace
 from sandbox.spec import LABEL_APP, SandboxLimits, SandboxSpec, sandbox_name

@@ -12,7 +12,7 @@ import docker
 import docker.types
 import pytest
 
-from orchestrator.errors import EngineUnavailable, ImageError, MountVerificationFailed
+from cellgate.errors import EngineUnavailable, ImageError, MountVerificationFailed
 from sandbox.backends.base import SandboxHandle, SandboxNotFound
 from sandbox.backends.docker import OUTPUT_CAP, DockerBackend, create_kwargs
 from sandbox.reaper import Reaper
