@@ -53,7 +53,7 @@ from benchmarks._setup import (
     percentile,
 )
 from cellgate.models import ConversationKey
-from orchestrator import gateway as gateway_module
+from orchestrator import runner as gateway_module
 from orchestrator.gateway import Gateway, TurnOutcome
 from sandbox.backends.docker import EXEC_MARKER_ENV, KILL_AFTER
 from sandbox.mountplan import HOME
@@ -158,8 +158,8 @@ def instrument(gateway: Gateway, agent: str, phases: Phases) -> None:
     for name in ENGINE:
         setattr(api, name, phases.sync(f"engine {name}", getattr(api, name)))
     gw: Any = gateway
-    gw._compose = phases.sync(P_FILES, gw._compose, outermost=True)
-    gw._save_turn = phases.sync(P_FILES, gw._save_turn, outermost=True)
+    gw.runner.compose = phases.sync(P_FILES, gw.runner.compose, outermost=True)
+    gw.runner.save_turn = phases.sync(P_FILES, gw.runner.save_turn, outermost=True)
     for name in HOST_FILES:
         setattr(
             gateway_module,

@@ -44,17 +44,12 @@ async def _serve(config_path: Path, port: int | None = None, banner: str | None 
         )
     )
     await gateway.start()  # D2: the recovery scan runs before the first request
-    background = [
-        asyncio.create_task(gateway.run_reaper()),
-        asyncio.create_task(gateway.run_heartbeats()),
-    ]
+    gateway.start_background()  # the reaper and heartbeats, supervised
     if banner:
         print(banner, flush=True)
     try:
         await server.serve()
     finally:
-        for task in background:
-            task.cancel()
         await gateway.close()
     return 0
 

@@ -1,0 +1,105 @@
+"""The agents a gateway serves: their config, harness, app and sandboxes.
+
+`Agents` is a read-only mapping from agent id to `AgentRuntime`, built once at
+start; `require` and `runnable` are the two questions intake and the turn
+runner ask of it, each answered with a clear error.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+
+from cellgate.errors import AgentUnavailable, AppError, UnknownAgent
+from orchestrator.apps import InstalledApp
+from orchestrator.config import AgentConfig, GatewaySettings
+from orchestrator.harnesses.base import Harness
+from orchestrator.harnesses.command import CommandHarness
+from orchestrator.harnesses.openai import OpenAIHarness
+from orchestrator.harnesses.shell import ShellHarness
+from orchestrator.sandboxes import ConversationSandboxes
+from sandbox.backends.base import SandboxBackend
+
+logger = logging.getLogger(__name__)
+
+
+def build_harness(agent: AgentConfig) -> Harness:
+    h = agent.harness
+    match h.type:
+        case "command":
+            return CommandHarness.from_config(h, claude_flags=agent.claude.extra_flags)
+        case "openai":
+            return OpenAIHarness.from_config(h)
+        case "shell":
+            return ShellHarness(timeout_seconds=h.timeout_seconds)
+
+
+@dataclass
+class AgentRuntime:
+    config: AgentConfig
+    harness: Harness
+    app: InstalledApp | None = None
+    sandboxes: ConversationSandboxes | None = None
+    started_isolated: bool = False
+
+
+def load_runtime(
+    agent: AgentConfig, settings: GatewaySettings, backend: SandboxBackend
+) -> AgentRuntime:
+    """The agent's harness, and for an app agent its installed app and sandboxes."""
+    rt = AgentRuntime(agent, build_harness(agent), started_isolated=agent.isolate_memory)
+    if agent.app is None:
+        return rt
+    try:
+        app = InstalledApp.load(settings.state_dir, agent.app)
+    except AppError as exc:
+        logger.error("agent %s: %s", agent.id, exc)
+        return rt
+    rt.app = app
+    rt.sandboxes = ConversationSandboxes(app, settings, backend)
+    return rt
+
+
+class Agents(Mapping[str, AgentRuntime]):
+    """Agent id -> runtime, fixed for the gateway's life (L5 restarts rebuild it)."""
+
+    def __init__(self, runtimes: Mapping[str, AgentRuntime]) -> None:
+        self._runtimes = dict(runtimes)
+
+    @classmethod
+    def load(
+        cls, agents: Sequence[AgentConfig], settings: GatewaySettings, backend: SandboxBackend
+    ) -> Agents:
+        return cls({a.id: load_runtime(a, settings, backend) for a in agents})
+
+    def __getitem__(self, agent_id: str) -> AgentRuntime:
+        return self._runtimes[agent_id]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._runtimes)
+
+    def __len__(self) -> int:
+        return len(self._runtimes)
+
+    def require(self, agent_id: str) -> AgentRuntime:
+        rt = self._runtimes.get(agent_id)
+        if rt is None:
+            raise UnknownAgent(agent_id)
+        return rt
+
+    def runnable(self, agent_id: str) -> AgentRuntime:
+        """The agent's runtime if it can take turns now, else `AgentUnavailable` saying why."""
+        rt = self.require(agent_id)
+        if rt.sandboxes is None:
+            reason = (
+                f"its app {rt.config.app!r} is not installed"
+                if rt.config.app
+                else "host agents are not served by this gateway yet; declare it in an app"
+            )
+            raise AgentUnavailable(agent_id, reason)
+        return rt
+
+    def app_names(self) -> frozenset[str]:
+        """The apps whose sandboxes this gateway owns."""
+        return frozenset(rt.app.name for rt in self._runtimes.values() if rt.app is not None)

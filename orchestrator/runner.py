@@ -1,0 +1,256 @@
+"""The turn runner: one turn of one conversation in its verified sandbox.
+
+`TurnRunner.run` is what the durable turn loop calls for a stored message: it
+finds or opens the conversation's session, ensures and verifies its sandbox
+(S3, S4), opens its bridge, composes its CLAUDE.md (M5, M7), runs the harness
+under the turn timeout, and saves the transcript and harness session id (D3).
+What a finished turn left for a caller waiting on it is kept in a small,
+bounded map (`Outcomes`), taken once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from cellgate.errors import CellgateError, TurnTimeout
+from cellgate.models import ConversationKey, OutboundMessage
+from orchestrator.agents import AgentRuntime, Agents
+from orchestrator.bridge import BridgeScope, BridgeServer, install_client
+from orchestrator.config import GatewaySettings
+from orchestrator.delivery import GatewayOutbox
+from orchestrator.harnesses.base import DispatchResult, SessionContext
+from orchestrator.memory import compose_claude_md, write_session_files
+from orchestrator.store import Conversation, Message, MessageId, SessionId
+from orchestrator.store.views import SandboxStore
+from orchestrator.transcripts import (
+    append_transcript,
+    load_session_id,
+    recent_history,
+    save_session_id,
+)
+from orchestrator.turns import TurnAnswer
+from policies.tools import session_env_flags
+from sandbox.backends.base import SandboxBackend
+
+logger = logging.getLogger(__name__)
+
+OUTCOMES_MAX = 1024
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """What the turn that answered a message left for a caller waiting on it."""
+
+    sandbox: str
+    result: DispatchResult | None
+    error: CellgateError | None
+
+
+class Outcomes:
+    """Message id -> outcome, the newest `size` only; a caller takes its own once."""
+
+    def __init__(self, size: int = OUTCOMES_MAX) -> None:
+        self._size = size
+        self._items: OrderedDict[MessageId, Outcome] = OrderedDict()
+
+    def put(self, message_id: MessageId, outcome: Outcome) -> None:
+        self._items[message_id] = outcome
+        self._items.move_to_end(message_id)
+        while len(self._items) > self._size:
+            self._items.popitem(last=False)
+
+    def take(self, message_id: MessageId) -> Outcome | None:
+        return self._items.pop(message_id, None)
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+
+def session_env(key: ConversationKey, home: str) -> dict[str, str]:
+    """A session's environment: its origin, its home, and no secret (K1, P1, T3)."""
+    return {
+        "HOME": home,
+        "GATEWAY_ORIGIN_CHANNEL": key.channel,
+        "GATEWAY_ORIGIN_CHAT_ID": key.chat_id,
+        **session_env_flags(),
+    }
+
+
+def conversation_key(conv: Conversation) -> ConversationKey:
+    return ConversationKey(conv.agent, conv.channel, conv.chat_id)
+
+
+class TurnRunner:
+    def __init__(
+        self,
+        settings: GatewaySettings,
+        agents: Agents,
+        store: SandboxStore,
+        backend: SandboxBackend,
+        bridge: BridgeServer,
+        outbox: GatewayOutbox,
+        *,
+        clock: Callable[[], float],
+    ) -> None:
+        self.settings = settings
+        self.agents = agents
+        self.store = store
+        self.backend = backend
+        self.bridge = bridge
+        self.outbox = outbox
+        self.clock = clock
+        self.outcomes = Outcomes()
+
+    async def session_for(self, conv: Conversation, rt: AgentRuntime) -> SessionId:
+        """The conversation's live session, or a new one."""
+        live = await asyncio.to_thread(self.store.live_sessions, conversation=conv.id)
+        if live:
+            return live[0].id
+        session = await asyncio.to_thread(self.store.open_session, conv.id, rt.config.harness.type)
+        return session.id
+
+    async def run(self, conv: Conversation, message: Message) -> TurnAnswer:
+        """The turn loop's turn function: answer one stored message."""
+        rt = self.agents.runnable(conv.agent)
+        session_id = await self.session_for(conv, rt)
+        turn = await asyncio.to_thread(self.store.start_turn, session_id, message.id)
+        ok = False
+        harness_turn: str | None = None
+        sandbox: list[str] = []
+        try:
+            result = await self.execute(rt, conv, session_id, message.text, sandbox)
+            ok, harness_turn = result.ok, result.turn_id
+            await asyncio.to_thread(
+                self.save_turn, rt, conv, session_id, "user", message.text, message.id, result
+            )
+            self.outcomes.put(message.id, Outcome(sandbox[0], result, None))
+            return TurnAnswer(result.ok, result.reply)
+        except CellgateError as exc:
+            self.outcomes.put(message.id, Outcome(sandbox[0] if sandbox else "", None, exc))
+            raise
+        finally:
+            await asyncio.to_thread(
+                self.store.finish_turn, turn.id, ok=ok, harness_turn_id=harness_turn
+            )
+
+    async def execute(
+        self,
+        rt: AgentRuntime,
+        conv: Conversation,
+        session_id: SessionId,
+        text: str,
+        sandbox: list[str],
+    ) -> DispatchResult:
+        """One harness turn in the conversation's verified sandbox, with its bridge open."""
+        assert rt.sandboxes is not None
+        key = conversation_key(conv)
+        prepared = await rt.sandboxes.ensure(key, session_id)
+        sandbox.append(prepared.handle.name)
+        await asyncio.to_thread(
+            self.store.record_sandbox,
+            prepared.handle.name,
+            conversation=conv.id,
+            app=prepared.spec.app,
+            agent=conv.agent,
+            spec_hash=prepared.handle.spec_hash,
+        )
+        paths = prepared.paths
+        await asyncio.to_thread(install_client, paths.bridge_dir)
+        await self.bridge.open(
+            BridgeScope.for_conversation(
+                key,
+                session_id,
+                paths,
+                isolated=rt.started_isolated,
+                archive_enabled=not rt.config.disable_archive,
+            )
+        )
+        system_prompt = await asyncio.to_thread(self.compose, rt, paths.workspace, paths.chat_dir)
+        await asyncio.to_thread(write_session_files, paths.home_dir, system_prompt)
+        meta = {
+            "resume": await asyncio.to_thread(load_session_id, paths.chat_dir),
+            "system_prompt": system_prompt,
+            "history": await asyncio.to_thread(recent_history, paths.chat_dir),
+        }
+        ctx = SessionContext(
+            conversation=key,
+            session_key=session_id,
+            backend=self.backend,
+            sandbox=prepared.handle,
+            env=session_env(key, prepared.spec.home),
+            workdir=prepared.spec.workdir,
+        )
+        timeout = self.settings.turn_timeout_seconds
+        try:
+            async with asyncio.timeout(timeout):
+                await rt.harness.ensure_session(ctx)
+                result = await rt.harness.dispatch(ctx, text, meta)
+        except TimeoutError as exc:
+            raise TurnTimeout(timeout) from exc
+        sent = self.outbox.pending.take(conv.id)
+        if sent:
+            result = DispatchResult(
+                ok=result.ok,
+                reply=result.reply,
+                turn_id=result.turn_id,
+                meta={**result.meta, "messages": [sent_view(m) for m in sent]},
+            )
+        return result
+
+    def compose(self, rt: AgentRuntime, workspace: Path, chat_dir: Path) -> str:
+        """M5, M7: the session's CLAUDE.md, composed on the host at spawn."""
+        return compose_claude_md(
+            workspace,
+            chat_dir,
+            self.settings.memory,
+            rt.started_isolated,
+            not rt.config.disable_archive,
+        )
+
+    def save_turn(
+        self,
+        rt: AgentRuntime,
+        conv: Conversation,
+        session_id: str,
+        role: str,
+        text: str,
+        message_id: MessageId | None,
+        result: DispatchResult,
+    ) -> None:
+        """D3: the transcript and the harness session id, after every turn."""
+        assert rt.sandboxes is not None
+        key = conversation_key(conv)
+        chat_dir = rt.sandboxes.app.workspace / "chats" / key.dir_name
+        now = self.clock()
+        append_transcript(
+            chat_dir,
+            [
+                {"at": now, "role": role, "message": message_id, "text": text},
+                {
+                    "at": now,
+                    "role": "assistant",
+                    "message": message_id,
+                    "ok": result.ok,
+                    "turn": result.turn_id,
+                    "text": result.reply,
+                },
+            ],
+        )
+        harness_sid = result.meta.get("harness_session_id")
+        save_session_id(chat_dir, session_id, harness_sid if isinstance(harness_sid, str) else None)
+
+
+def sent_view(m: OutboundMessage) -> dict[str, Any]:
+    """A bridge delivery as the API shows it (no host paths)."""
+    out: dict[str, Any] = {"kind": m.kind.value, "text": m.text}
+    if m.file_name:
+        out["file_name"] = m.file_name
+    if m.extra:
+        out["extra"] = dict(m.extra)
+    return out

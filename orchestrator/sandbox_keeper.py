@@ -1,0 +1,122 @@
+"""This gateway's sandboxes over their life: reconcile at start, reap when idle (D2, S5).
+
+`SandboxKeeper.reconcile` removes this gateway's containers whose conversation
+the store does not know or whose spec is stale; `reaper()` builds the idle
+reaper over the store's view of sessions, holding the conversation's lock
+around each removal so a turn never starts in a sandbox being removed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Callable
+
+from orchestrator.agents import Agents
+from orchestrator.bridge import BridgeServer
+from orchestrator.config import GatewaySettings
+from orchestrator.runner import TurnRunner, conversation_key
+from orchestrator.store import ConversationId
+from orchestrator.store.views import SandboxStore
+from orchestrator.turns import TurnLoop
+from sandbox.backends.base import SandboxBackend
+from sandbox.reaper import Reaper
+from sandbox.spec import LABEL_APP, LABEL_CONVERSATION, LABEL_MANAGED, LABEL_SPEC_HASH
+
+logger = logging.getLogger(__name__)
+
+
+class SandboxKeeper:
+    def __init__(
+        self,
+        settings: GatewaySettings,
+        agents: Agents,
+        store: SandboxStore,
+        backend: SandboxBackend,
+        loop: TurnLoop,
+        runner: TurnRunner,
+        bridge: BridgeServer,
+        *,
+        clock: Callable[[], float],
+    ) -> None:
+        self.settings = settings
+        self.agents = agents
+        self.store = store
+        self.backend = backend
+        self.loop = loop
+        self.runner = runner
+        self.bridge = bridge
+        self.clock = clock
+
+    async def reconcile(self) -> int:
+        """Remove this gateway's containers whose conversation is unknown or whose spec is stale."""
+        removed = 0
+        known = {c.id: c for c in await asyncio.to_thread(self.store.conversations)}
+        apps = self.agents.app_names()
+        for info in await self.backend.list({LABEL_MANAGED: "1"}):
+            if info.labels.get(LABEL_APP) not in apps:
+                continue  # another gateway's, or an app this one does not serve
+            conv = known.get(ConversationId(info.labels.get(LABEL_CONVERSATION, "")))
+            stale = conv is None
+            if conv is not None:
+                rt = self.agents.get(conv.agent)
+                if rt is None or rt.sandboxes is None:
+                    stale = True
+                else:
+                    session = await self.runner.session_for(conv, rt)
+                    spec, _ = await rt.sandboxes.spec_for(conversation_key(conv), session)
+                    stale = info.labels.get(LABEL_SPEC_HASH) != spec.spec_hash()
+            if stale:
+                logger.info("removing sandbox %s (no conversation or stale spec)", info.name)
+                await self.backend.remove(info.name)
+                await asyncio.to_thread(self.store.forget_sandbox, info.name)
+                removed += 1
+        return removed
+
+    def reaper(self) -> Reaper:
+        """Removes this gateway's sandboxes `sandboxIdleMinutes` after their last turn."""
+        apps = self.agents.app_names()
+        return Reaper(
+            self.backend,
+            last_active=self._last_active,
+            busy=self._busy,
+            idle_minutes=self.settings.sandbox_idle_minutes,
+            now=self.clock,
+            guard=self._guard,
+            scope=lambda info: info.labels.get(LABEL_APP) in apps,
+            on_removed=self.removed,
+        )
+
+    async def _last_active(self, name: str) -> float | None:
+        sb = await asyncio.to_thread(self.store.get_sandbox, name)
+        if sb is None:
+            return None
+        live = await asyncio.to_thread(self.store.live_sessions, conversation=sb.conversation_id)
+        return max([sb.last_used_at, *(s.last_active_at for s in live)])
+
+    async def _busy(self, name: str) -> bool:
+        sb = await asyncio.to_thread(self.store.get_sandbox, name)
+        if sb is None:
+            return False
+        live = await asyncio.to_thread(self.store.live_sessions, conversation=sb.conversation_id)
+        return any(s.busy for s in live)
+
+    @contextlib.asynccontextmanager
+    async def _guard(self, name: str) -> AsyncIterator[None]:
+        sb = await asyncio.to_thread(self.store.get_sandbox, name)
+        if sb is None:
+            yield
+            return
+        async with self.loop.conversation_lock(sb.conversation_id):
+            yield
+
+    async def removed(self, name: str) -> None:
+        """The container is gone: its sessions end, its bridge closes, its row goes."""
+        sb = await asyncio.to_thread(self.store.get_sandbox, name)
+        if sb is None:
+            return
+        await self.bridge.close(sb.conversation_id)
+        for s in await asyncio.to_thread(self.store.live_sessions, conversation=sb.conversation_id):
+            await asyncio.to_thread(self.store.end_session, s.id)
+        await asyncio.to_thread(self.store.forget_sandbox, name)

@@ -1,0 +1,150 @@
+"""The narrow parts of the store each room of the gateway uses.
+
+`Store` satisfies every one of these structurally; a room that takes a
+`TurnQueueStore` can touch messages and replies and nothing else, and a test
+can hand it a small scripted stand-in.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol
+
+from cellgate.models import ConversationKey
+from orchestrator.store.models import (
+    Attachment,
+    Conversation,
+    ConversationId,
+    Message,
+    MessageId,
+    MessageState,
+    Refusal,
+    Reply,
+    Sandbox,
+    SandboxState,
+    Session,
+    SessionId,
+    Turn,
+    TurnId,
+)
+
+__all__ = [
+    "ConversationStore",
+    "IntakeStore",
+    "RefusalStore",
+    "SandboxStore",
+    "SessionStore",
+    "TurnQueueStore",
+]
+
+
+class ConversationStore(Protocol):
+    def upsert_conversation(self, key: ConversationKey) -> Conversation: ...
+
+    def get_conversation(self, conversation: ConversationId) -> Conversation | None: ...
+
+    def conversations(self, agent: str | None = None) -> list[Conversation]: ...
+
+
+class RefusalStore(Protocol):
+    def record_refusal(
+        self,
+        *,
+        rule: str,
+        action: str,
+        reason: str,
+        conversation: ConversationId | None = None,
+        session_id: SessionId | None = None,
+        detail: Mapping[str, Any] | None = None,
+    ) -> Refusal: ...
+
+
+class IntakeStore(ConversationStore, RefusalStore, Protocol):
+    """Accepting a message: its conversation, the message row, the queue it joins."""
+
+    def accept_message(
+        self,
+        conversation: ConversationId,
+        platform_message_id: str,
+        *,
+        sender: str,
+        text: str,
+        attachments: Sequence[Attachment] = (),
+    ) -> tuple[Message, bool]: ...
+
+    def pending_for_conversation(self, conversation: ConversationId) -> list[Message]: ...
+
+
+class TurnQueueStore(Protocol):
+    """The durable turn queue (D1, D2): message states and their replies."""
+
+    def get_conversation(self, conversation: ConversationId) -> Conversation | None: ...
+
+    def close_open_turns(self) -> int: ...
+
+    def undelivered_messages(self) -> list[Message]: ...
+
+    def pending_for_conversation(self, conversation: ConversationId) -> list[Message]: ...
+
+    def transition(
+        self,
+        message_id: MessageId,
+        from_state: MessageState,
+        to_state: MessageState,
+        *,
+        error: str | None = None,
+    ) -> Message: ...
+
+    def record_reply(
+        self, message_id: MessageId, outbound_key: str, text: str
+    ) -> tuple[Reply, bool]: ...
+
+    def mark_delivered(self, outbound_key: str) -> Reply: ...
+
+    def reply_for_message(self, message_id: MessageId) -> Reply | None: ...
+
+
+class SessionStore(ConversationStore, Protocol):
+    """Sessions and their turns."""
+
+    def open_session(
+        self,
+        conversation: ConversationId,
+        harness: str,
+        *,
+        harness_session_id: str | None = None,
+        session_id: SessionId | None = None,
+    ) -> Session: ...
+
+    def live_sessions(
+        self, agent: str | None = None, *, conversation: ConversationId | None = None
+    ) -> list[Session]: ...
+
+    def end_session(self, session_id: SessionId) -> Session: ...
+
+    def start_turn(self, session_id: SessionId, message_id: MessageId | None = None) -> Turn: ...
+
+    def finish_turn(
+        self, turn_id: TurnId, *, ok: bool, harness_turn_id: str | None = None
+    ) -> Turn: ...
+
+
+class SandboxStore(SessionStore, RefusalStore, Protocol):
+    """Sandbox rows beside the sessions that keep them busy."""
+
+    def record_sandbox(
+        self,
+        name: str,
+        *,
+        conversation: ConversationId,
+        app: str,
+        agent: str,
+        spec_hash: str,
+        state: SandboxState = SandboxState.RUNNING,
+    ) -> Sandbox: ...
+
+    def get_sandbox(self, name: str) -> Sandbox | None: ...
+
+    def forget_sandbox(self, name: str) -> bool: ...
+
+    def sandboxes(self, app: str | None = None) -> list[Sandbox]: ...
