@@ -7,6 +7,8 @@
     ├── UnknownAgent(agent)                     no such agent is configured
     ├── AgentUnavailable(agent, reason)         the agent exists but cannot take turns
     ├── TurnTimeout(seconds)                    a turn ran past its time limit
+    ├── Throttled(rule, reason, retry_after)    admission refused a message (R4)
+    ├── SandboxesBusy(reason)                   no sandbox may start now (R4)
     ├── PolicyDenied(rule, reason)              a policy refused an action
     ├── BridgeError(code, reason)               a bridge tool call was malformed or failed
     ├── SandboxError                            anything about a sandbox container
@@ -30,7 +32,13 @@ from collections.abc import Sequence
 
 
 class CellgateError(Exception):
-    """Root of every error cellgate raises on purpose."""
+    """Root of every error cellgate raises on purpose.
+
+    `public` is what a stranger in a chat may be shown of it; None means only
+    "something went wrong" and a reference id (R6).
+    """
+
+    public: str | None = None
 
 
 class ConfigError(CellgateError):
@@ -72,6 +80,29 @@ class TurnTimeout(CellgateError):
     def __init__(self, seconds: float) -> None:
         self.seconds = seconds
         super().__init__(f"the turn did not finish within {seconds:g} s")
+
+
+class Throttled(CellgateError):
+    """Admission refused a message: rate, queue bound (R4). Nothing was stored."""
+
+    public = "too many messages right now; please wait a little and send again"
+
+    def __init__(self, rule: str, reason: str, retry_after: float | None = None) -> None:
+        self.rule = rule
+        self.reason = reason
+        self.retry_after = retry_after
+        super().__init__(f"refused by {rule}: {reason}")
+
+
+class SandboxesBusy(CellgateError):
+    """Every sandbox this gateway may run is busy; the turn was not started (R4)."""
+
+    rule = "R4"
+    public = "the bot is busy with other chats right now; please try again in a minute"
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+        super().__init__(f"refused by R4: {reason}")
 
 
 class PolicyDenied(CellgateError):

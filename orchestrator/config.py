@@ -45,6 +45,20 @@ class Limits(_Model):
     pids: int = Field(128, ge=16, le=65536)
     memory_mb: int = Field(512, alias="memoryMb", ge=32, le=65536)
     cpus: float = Field(1.0, gt=0, le=64)
+    # R4: live sandboxes per gateway; unset: as many as fit in 80% of host memory.
+    max_sandboxes: int | None = Field(None, alias="maxSandboxes", ge=1, le=100_000)
+
+
+class Admission(_Model):
+    """R4: how fast a stranger may send, how much may wait, how much one sender may run."""
+
+    sender_per_minute: float = Field(20, alias="senderPerMinute", gt=0)
+    chat_per_minute: float = Field(30, alias="chatPerMinute", gt=0)
+    burst: float = Field(10, ge=1)
+    max_queued_per_chat: int = Field(10, alias="maxQueuedPerChat", ge=1, le=10_000)
+    # concurrent turns one sender may hold; unset: half of maxConcurrentTurns (at least 1)
+    turns_per_sender: int | None = Field(None, alias="turnsPerSender", ge=1)
+    retry_after: float = Field(30, alias="retryAfterSeconds", gt=0)
 
 
 class MemorySettings(_Model):
@@ -65,6 +79,7 @@ class GatewaySettings(_Model):
     runtime: str | None = None
     limits: Limits = Limits()
     memory: MemorySettings = MemorySettings()
+    admission: Admission = Admission()
     turn_timeout_seconds: float = Field(120, alias="turnTimeoutSeconds", gt=0)
     max_concurrent_turns: int = Field(8, alias="maxConcurrentTurns", ge=1, le=1024)
     base_image: str | None = Field(None, alias="baseImage")

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from cellgate.errors import TurnTimeout
 from cellgate.models import ConversationKey
 from channels.base import Channel
+from orchestrator.admission import MessageGate, SandboxGate, default_max_sandboxes
 from orchestrator.agents import AgentRuntime, Agents, build_harness
 from orchestrator.bridge import BridgeServer, BuiltinTools, StoreRefusals, ToolHandlers
 from orchestrator.config import GatewayConfig
@@ -74,13 +75,21 @@ class Gateway:
         self.runner = TurnRunner(
             settings, self.agents, self.store, backend, self.bridge, self.outbox, clock=clock
         )
+        bound = settings.max_concurrent_turns
         self.loop = TurnLoop(
             self.store,
             self.runner.run,
             ReplyDelivery(self.channels),
-            bound=settings.max_concurrent_turns,
+            bound=bound,
+            per_sender=settings.admission.turns_per_sender or max(1, bound // 2),
+            turn_timeout=settings.turn_timeout_seconds + 60,
         )
-        self.intake = Intake(self.agents, self.store, self.loop)
+        self.intake = Intake(
+            self.agents,
+            self.store,
+            self.loop,
+            MessageGate(settings.admission, self.store, clock=clock),
+        )
         self.heartbeats = Heartbeats(self.agents, self.store, self.loop, self.runner, clock=clock)
         self.sandboxes = SandboxKeeper(
             settings,
@@ -91,6 +100,12 @@ class Gateway:
             self.runner,
             self.bridge,
             clock=clock,
+        )
+        self.runner.gate = SandboxGate(
+            settings.limits.max_sandboxes or default_max_sandboxes(settings.limits.memory_mb),
+            self.sandboxes.live,
+            self.sandboxes.evict,
+            self.store,
         )
         self._started = False
         self._background: list[asyncio.Task[None]] = []

@@ -1,7 +1,9 @@
 """Intake: accept a message from any channel, store it, and wake its conversation's turn.
 
-A message is committed to the store (idempotent on its platform id) before
-anyone is told it was accepted (D1); the turn loop picks it up from there.
+A message first passes admission (R4: the sender's and the chat's rates, the
+chat's queue bound); a refused one raises `Throttled` and nothing is stored.
+An admitted one is committed to the store (idempotent on its platform id)
+before anyone is told it was accepted (D1); the turn loop picks it up there.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ import asyncio
 import uuid
 
 from cellgate.models import ConversationKey
+from orchestrator.admission import MessageGate
 from orchestrator.agents import Agents
 from orchestrator.store import Message
 from orchestrator.store.views import IntakeStore
@@ -17,10 +20,13 @@ from orchestrator.turns import TurnLoop
 
 
 class Intake:
-    def __init__(self, agents: Agents, store: IntakeStore, loop: TurnLoop) -> None:
+    def __init__(
+        self, agents: Agents, store: IntakeStore, loop: TurnLoop, gate: MessageGate
+    ) -> None:
         self.agents = agents
         self.store = store
         self.loop = loop
+        self.gate = gate
 
     async def submit(
         self,
@@ -36,6 +42,11 @@ class Intake:
         self.agents.runnable(agent_id)
         key = ConversationKey(agent_id, channel, chat_id)
         conv = await asyncio.to_thread(self.store.upsert_conversation, key)
+
+        async def pending() -> int:
+            return len(await asyncio.to_thread(self.store.pending_for_conversation, conv.id))
+
+        await self.gate.admit(agent_id, channel, chat_id, sender, conv.id, pending)
         msg, created = await asyncio.to_thread(
             self.store.accept_message,
             conv.id,

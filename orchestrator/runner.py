@@ -20,6 +20,7 @@ from typing import Any
 
 from cellgate.errors import CellgateError, TurnTimeout
 from cellgate.models import ConversationKey, OutboundMessage
+from orchestrator.admission import SandboxGate
 from orchestrator.agents import AgentRuntime, Agents
 from orchestrator.bridge import BridgeScope, BridgeServer, install_client
 from orchestrator.config import GatewaySettings
@@ -97,8 +98,10 @@ class TurnRunner:
         outbox: GatewayOutbox,
         *,
         clock: Callable[[], float],
+        gate: SandboxGate | None = None,
     ) -> None:
         self.settings = settings
+        self.gate = gate
         self.agents = agents
         self.store = store
         self.backend = backend
@@ -150,6 +153,8 @@ class TurnRunner:
         """One harness turn in the conversation's verified sandbox, with its bridge open."""
         assert rt.sandboxes is not None
         key = conversation_key(conv)
+        if self.gate is not None:
+            await self.gate.make_room(conv.id)  # R4: the sandbox cap
         prepared = await rt.sandboxes.ensure(key, session_id)
         sandbox.append(prepared.handle.name)
         await asyncio.to_thread(

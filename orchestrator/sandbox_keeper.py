@@ -13,6 +13,7 @@ import contextlib
 import logging
 from collections.abc import AsyncIterator, Callable
 
+from orchestrator.admission import LiveSandbox
 from orchestrator.agents import Agents
 from orchestrator.bridge import BridgeServer
 from orchestrator.config import GatewaySettings
@@ -120,3 +121,27 @@ class SandboxKeeper:
         for s in await asyncio.to_thread(self.store.live_sessions, conversation=sb.conversation_id):
             await asyncio.to_thread(self.store.end_session, s.id)
         await asyncio.to_thread(self.store.forget_sandbox, name)
+
+    async def live(self) -> list[LiveSandbox]:
+        """This gateway's sandboxes as the store knows them, with whether a turn is in one."""
+        out: list[LiveSandbox] = []
+        for sb in await asyncio.to_thread(self.store.sandboxes):
+            sessions = await asyncio.to_thread(
+                self.store.live_sessions, conversation=sb.conversation_id
+            )
+            busy = any(s.busy for s in sessions) or self.loop.conversation_busy(sb.conversation_id)
+            out.append(LiveSandbox(sb.name, sb.conversation_id, sb.last_used_at, busy))
+        return out
+
+    async def evict(self, name: str) -> bool:
+        """Remove an idle sandbox now (R4), unless its conversation took it meanwhile."""
+        sb = await asyncio.to_thread(self.store.get_sandbox, name)
+        if sb is not None and self.loop.conversation_busy(sb.conversation_id):
+            return False
+        if sb is None:
+            await self.backend.remove(name)
+            return True
+        async with self.loop.conversation_lock(sb.conversation_id):
+            await self.backend.remove(name)
+            await self.removed(name)
+        return True

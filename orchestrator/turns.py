@@ -3,20 +3,30 @@
 A message is committed to the store before it is acknowledged. Turns of one
 conversation run one at a time, in arrival order (one worker task per
 conversation, draining the store's queue); conversations run in parallel under
-a global bound. A turn that fails or times out is answered with an error reply
-that says so: the failure reaches the chat, it is not swallowed. Every reply is
-recorded under an outbound key before it is delivered, so a crash between the
-two delivers the stored reply again instead of running the turn again.
+a global bound, shared fairly between senders (`FairSlots`, R4), so one
+stranger's slow turns never hold every slot. A turn that fails or times out
+is answered with a short reply that says so and carries a reference id; the
+details go to the log and the audit table, never to the chat (R6). Every reply
+is recorded under an outbound key before it is delivered, so a crash between
+the two delivers the stored reply again instead of running the turn again. A
+delivery that fails is retried with a growing pause, in order, and given up
+(the message FAILED, the log says why) after `DELIVERY_ATTEMPTS`; it never
+ends the conversation's worker.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from functools import partial
+from typing import Protocol
 
-from cellgate.errors import CellgateError, StateConflict
+from cellgate.errors import CellgateError, StateConflict, TurnTimeout
+from orchestrator.slots import FairSlots
 from orchestrator.store import (
     Conversation,
     ConversationId,
@@ -24,10 +34,15 @@ from orchestrator.store import (
     MessageId,
     MessageState,
     Reply,
-    Store,
 )
+from orchestrator.store.views import RefusalStore, TurnQueueStore
 
 logger = logging.getLogger(__name__)
+
+DELIVERY_ATTEMPTS = 6
+FIRST_RETRY_SECONDS = 2.0
+MAX_RETRY_SECONDS = 300.0
+_ATTEMPTS_MAX = 4096
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,28 +55,81 @@ RunTurn = Callable[[Conversation, Message], Awaitable[TurnAnswer]]
 Deliver = Callable[[Conversation, Reply], Awaitable[None]]
 
 
+class LoopStore(TurnQueueStore, RefusalStore, Protocol):
+    """The store as the turn loop uses it: the queue, and the audit of failures."""
+
+
 def outbound_key(message_id: MessageId) -> str:
     return f"reply:{message_id}"
 
 
+def reference_id() -> str:
+    """A short id a stranger can quote and an operator can find in the log (R6)."""
+    return "r-" + secrets.token_hex(6)
+
+
+def failure_text(exc: BaseException, ref: str) -> str:
+    """What a chat sees of a failed turn: what kind of failure, and the reference (R6)."""
+    if isinstance(exc, TurnTimeout):
+        what = f"it took longer than {exc.seconds:g} s"
+    elif isinstance(exc, CellgateError) and exc.public:
+        what = exc.public
+    else:
+        what = "something went wrong on our side"
+    return f"⚠️ This message could not be answered: {what}. (ref {ref})"
+
+
 class TurnLoop:
-    def __init__(self, store: Store, run_turn: RunTurn, deliver: Deliver, *, bound: int) -> None:
+    def __init__(
+        self,
+        store: LoopStore,
+        run_turn: RunTurn,
+        deliver: Deliver,
+        *,
+        bound: int,
+        per_sender: int | None = None,
+        turn_timeout: float | None = None,
+        retry_pause: float = FIRST_RETRY_SECONDS,
+    ) -> None:
         self.store = store
         self._run_turn = run_turn
         self._deliver = deliver
-        self._bound = asyncio.Semaphore(bound)
+        self.slots = FairSlots(bound, per_sender)
+        self._turn_timeout = turn_timeout
+        self._retry_pause = retry_pause
         self._workers: dict[ConversationId, asyncio.Task[None]] = {}
         self._again: set[ConversationId] = set()
         self._locks: dict[ConversationId, asyncio.Lock] = {}
         self._waiters: dict[MessageId, list[asyncio.Future[Reply]]] = {}
+        self._attempts: OrderedDict[MessageId, int] = OrderedDict()
+        self._retries: dict[ConversationId, asyncio.TimerHandle] = {}
         self._closing = False
 
     def conversation_lock(self, conversation_id: ConversationId) -> asyncio.Lock:
-        """Held while a turn of this conversation runs; a heartbeat takes it too (M4)."""
+        """Held while a turn of this conversation runs; a heartbeat takes it too (M4).
+
+        A lock lives only while someone holds or waits for it, or its worker
+        runs, so the map is bounded by the conversations in flight.
+        """
         lock = self._locks.get(conversation_id)
         if lock is None:
             lock = self._locks[conversation_id] = asyncio.Lock()
         return lock
+
+    def _forget_lock(self, conversation_id: ConversationId) -> None:
+        lock = self._locks.get(conversation_id)
+        if lock is not None and not lock.locked() and not getattr(lock, "_waiters", None):
+            del self._locks[conversation_id]
+
+    def conversation_busy(self, conversation_id: ConversationId) -> bool:
+        """A turn or heartbeat holds, or waits for, this conversation right now."""
+        lock = self._locks.get(conversation_id)
+        return lock is not None and (lock.locked() or bool(getattr(lock, "_waiters", None)))
+
+    @property
+    def workers(self) -> int:
+        """Conversations with a worker draining their queue right now."""
+        return sum(1 for t in self._workers.values() if not t.done())
 
     # -- intake ------------------------------------------------------------
 
@@ -73,9 +141,31 @@ class TurnLoop:
         if task is not None and not task.done():
             self._again.add(conversation_id)
             return
-        self._workers[conversation_id] = asyncio.create_task(
-            self._worker(conversation_id), name=f"turns:{conversation_id}"
-        )
+        task = asyncio.create_task(self._worker(conversation_id), name=f"turns:{conversation_id}")
+        self._workers[conversation_id] = task
+        task.add_done_callback(partial(self._worker_done, conversation_id))
+
+    def _worker_done(self, conversation_id: ConversationId, task: asyncio.Task[None]) -> None:
+        if self._workers.get(conversation_id) is task:
+            del self._workers[conversation_id]
+        self._forget_lock(conversation_id)
+        if not task.cancelled() and task.exception() is not None:
+            logger.error(
+                "turn worker of %s ended with an error; retrying",
+                conversation_id,
+                exc_info=task.exception(),
+            )
+            self._retry_later(conversation_id, self._retry_pause)
+
+    def _retry_later(self, conversation_id: ConversationId, delay: float) -> None:
+        if self._closing or conversation_id in self._retries:
+            return
+
+        def fire() -> None:
+            self._retries.pop(conversation_id, None)
+            self.wake(conversation_id)
+
+        self._retries[conversation_id] = asyncio.get_running_loop().call_later(delay, fire)
 
     async def recover(self) -> int:
         """D2: finish what a crash interrupted; returns how many messages were pending."""
@@ -113,11 +203,13 @@ class TurnLoop:
             for message in pending:
                 if self._closing:
                     return
-                await self._process(message)
+                if not await self._process(message):
+                    return  # a delivery failed: retried later, in order
             if conversation_id not in self._again:
                 return
 
-    async def _process(self, message: Message) -> None:
+    async def _process(self, message: Message) -> bool:
+        """Answer and deliver one message; False when its delivery must be retried later."""
         conv = await asyncio.to_thread(self.store.get_conversation, message.conversation_id)
         if conv is None:
             logger.error("message %s has no conversation; failing it", message.id)
@@ -128,7 +220,7 @@ class TurnLoop:
                 MessageState.FAILED,
                 error="conversation missing",
             )
-            return
+            return True
         existing = await asyncio.to_thread(self.store.reply_for_message, message.id)
         if existing is not None:
             reply = existing
@@ -138,41 +230,127 @@ class TurnLoop:
                 message = await asyncio.to_thread(
                     self.store.transition, message.id, MessageState.RUNNING, MessageState.ACCEPTED
                 )
-            async with self.conversation_lock(conv.id), self._bound:
+            owner = message.sender or f"conversation:{conv.id}"
+            async with self.conversation_lock(conv.id), self.slots.slot(owner):
                 answer = await self._answer(conv, message)
-            reply, _ = await asyncio.to_thread(
-                self.store.record_reply, message.id, outbound_key(message.id), answer.text
-            )
-        if reply.delivered_at is None:
-            await self._deliver(conv, reply)
-            try:
-                reply = await asyncio.to_thread(self.store.mark_delivered, reply.outbound_key)
-            except StateConflict:
-                logger.debug("reply %s already marked delivered", reply.outbound_key)
-        for fut in self._waiters.get(message.id, []):
+            reply = await asyncio.to_thread(self._record, message.id, answer.text)
+        self._resolve(message.id, reply)
+        if reply.delivered_at is None and not await self._try_deliver(conv, message, reply):
+            return False
+        self._attempts.pop(message.id, None)
+        return True
+
+    def _record(self, message_id: MessageId, text: str) -> Reply:
+        """Record the answer; a turn that failed before it started (the message still
+        ACCEPTED, e.g. its agent is unavailable) is answered all the same."""
+        key = outbound_key(message_id)
+        try:
+            reply, _ = self.store.record_reply(message_id, key, text)
+        except StateConflict as exc:
+            if exc.actual != MessageState.ACCEPTED.value:
+                raise
+            self.store.transition(message_id, MessageState.ACCEPTED, MessageState.RUNNING)
+            reply, _ = self.store.record_reply(message_id, key, text)
+        return reply
+
+    def _resolve(self, message_id: MessageId, reply: Reply) -> None:
+        for fut in self._waiters.get(message_id, []):
             if not fut.done():
                 fut.set_result(reply)
 
-    async def _answer(self, conv: Conversation, message: Message) -> TurnAnswer:
+    async def _try_deliver(self, conv: Conversation, message: Message, reply: Reply) -> bool:
         try:
-            return await self._run_turn(conv, message)
-        except CellgateError as exc:
+            await self._deliver(conv, reply)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            attempts = self._attempts.pop(message.id, 0) + 1
+            if attempts >= DELIVERY_ATTEMPTS:
+                logger.error(
+                    "giving up delivering the reply to message %s after %d attempts: %s",
+                    message.id,
+                    attempts,
+                    exc,
+                    extra={"conversation": conv.id},
+                )
+                await asyncio.to_thread(
+                    self.store.transition,
+                    message.id,
+                    MessageState.REPLIED,
+                    MessageState.FAILED,
+                    error=f"delivery failed {attempts} times: {type(exc).__name__}",
+                )
+                return True
+            self._attempts[message.id] = attempts
+            while len(self._attempts) > _ATTEMPTS_MAX:
+                self._attempts.popitem(last=False)
+            pause = min(MAX_RETRY_SECONDS, self._retry_pause * 2 ** (attempts - 1))
             logger.warning(
-                "turn for message %s failed: %s",
+                "delivering the reply to message %s failed (attempt %d, next in %.0f s): %s",
                 message.id,
+                attempts,
+                pause,
                 exc,
                 extra={"conversation": conv.id},
             )
-            return TurnAnswer(False, f"⚠️ This message could not be answered: {exc}")
-        except Exception as exc:
-            logger.exception("turn for message %s crashed", message.id)
-            name = type(exc).__name__
-            return TurnAnswer(
-                False, f"⚠️ This message could not be answered (internal error: {name})"
+            self._retry_later(conv.id, pause)
+            return False
+        try:
+            await asyncio.to_thread(self.store.mark_delivered, reply.outbound_key)
+        except StateConflict:
+            logger.debug("reply %s already marked delivered", reply.outbound_key)
+        return True
+
+    async def _answer(self, conv: Conversation, message: Message) -> TurnAnswer:
+        try:
+            if self._turn_timeout is None:
+                return await self._run_turn(conv, message)
+            try:
+                async with asyncio.timeout(self._turn_timeout):
+                    return await self._run_turn(conv, message)
+            except TimeoutError as exc:
+                raise TurnTimeout(self._turn_timeout) from exc
+        except CellgateError as exc:
+            ref = reference_id()
+            logger.warning(
+                "turn for message %s failed (ref %s): %s",
+                message.id,
+                ref,
+                exc,
+                extra={"conversation": conv.id, "ref": ref},
             )
+            await self._audit(conv, exc, ref)
+            return TurnAnswer(False, failure_text(exc, ref))
+        except Exception as exc:
+            ref = reference_id()
+            logger.exception(
+                "turn for message %s crashed (ref %s)",
+                message.id,
+                ref,
+                extra={"conversation": conv.id, "ref": ref},
+            )
+            await self._audit(conv, exc, ref)
+            return TurnAnswer(False, failure_text(exc, ref))
+
+    async def _audit(self, conv: Conversation, exc: BaseException, ref: str) -> None:
+        """R6: the failure's details, for the operator, under the reference the chat saw."""
+        try:
+            await asyncio.to_thread(
+                self.store.record_refusal,
+                rule=getattr(exc, "rule", None) or "R6",
+                action="turn",
+                reason=f"{type(exc).__name__}: {exc}"[:2000],
+                conversation=conv.id,
+                detail={"ref": ref},
+            )
+        except CellgateError:
+            logger.exception("could not record the failure %s in the audit table", ref)
 
     async def close(self) -> None:
         self._closing = True
+        for handle in self._retries.values():
+            handle.cancel()
+        self._retries.clear()
         tasks = [t for t in self._workers.values() if not t.done()]
         for t in tasks:
             t.cancel()
