@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Protocol
 
-from cellgate.errors import CellgateError, StateConflict, TurnTimeout
+from cellgate.errors import CellgateError, EngineUnavailable, StateConflict, TurnTimeout
 from orchestrator.slots import FairSlots
 from orchestrator.store import (
     Conversation,
@@ -40,6 +40,7 @@ from orchestrator.store.views import RefusalStore, TurnQueueStore
 logger = logging.getLogger(__name__)
 
 DELIVERY_ATTEMPTS = 6
+ENGINE_ATTEMPTS = 8
 FIRST_RETRY_SECONDS = 2.0
 MAX_RETRY_SECONDS = 300.0
 _ATTEMPTS_MAX = 4096
@@ -102,6 +103,8 @@ class TurnLoop:
         self._locks: dict[ConversationId, asyncio.Lock] = {}
         self._waiters: dict[MessageId, list[asyncio.Future[Reply]]] = {}
         self._attempts: OrderedDict[MessageId, int] = OrderedDict()
+        self._engine_attempts: OrderedDict[MessageId, int] = OrderedDict()
+        self._engine_down = False
         self._retries: dict[ConversationId, asyncio.TimerHandle] = {}
         self._closing = False
 
@@ -233,12 +236,40 @@ class TurnLoop:
             owner = message.sender or f"conversation:{conv.id}"
             async with self.conversation_lock(conv.id), self.slots.slot(owner):
                 answer = await self._answer(conv, message)
+            if answer is None:
+                await self._engine_wait(conv, message)
+                return False
+            if self._engine_down:
+                self._engine_down = False
+                logger.info("the sandbox engine answers again; turns go on")
             reply = await asyncio.to_thread(self._record, message.id, answer.text)
+        self._engine_attempts.pop(message.id, None)
         self._resolve(message.id, reply)
         if reply.delivered_at is None and not await self._try_deliver(conv, message, reply):
             return False
         self._attempts.pop(message.id, None)
         return True
+
+    async def _engine_wait(self, conv: Conversation, message: Message) -> None:
+        """R7: the engine is away; the message goes back in the queue and waits for it."""
+        self._engine_down = True
+        current = await asyncio.to_thread(self.store.get_message, message.id)
+        if current is not None and current.state is MessageState.RUNNING:
+            await asyncio.to_thread(
+                self.store.transition, message.id, MessageState.RUNNING, MessageState.ACCEPTED
+            )
+        attempts = self._engine_attempts.pop(message.id, 0) + 1
+        self._engine_attempts[message.id] = attempts
+        while len(self._engine_attempts) > _ATTEMPTS_MAX:
+            self._engine_attempts.popitem(last=False)
+        pause = min(MAX_RETRY_SECONDS, self._retry_pause * 2 ** (attempts - 1))
+        logger.warning(
+            "the sandbox engine is unavailable; message %s waits and is tried again in %.0f s",
+            message.id,
+            pause,
+            extra={"conversation": conv.id},
+        )
+        self._retry_later(conv.id, pause)
 
     def _record(self, message_id: MessageId, text: str) -> Reply:
         """Record the answer; a turn that failed before it started (the message still
@@ -301,7 +332,8 @@ class TurnLoop:
             logger.debug("reply %s already marked delivered", reply.outbound_key)
         return True
 
-    async def _answer(self, conv: Conversation, message: Message) -> TurnAnswer:
+    async def _answer(self, conv: Conversation, message: Message) -> TurnAnswer | None:
+        """The turn's answer; None when the engine is away and the message must wait (R7)."""
         try:
             if self._turn_timeout is None:
                 return await self._run_turn(conv, message)
@@ -310,17 +342,13 @@ class TurnLoop:
                     return await self._run_turn(conv, message)
             except TimeoutError as exc:
                 raise TurnTimeout(self._turn_timeout) from exc
+        except EngineUnavailable as exc:
+            if self._engine_attempts.get(message.id, 0) < ENGINE_ATTEMPTS:
+                logger.debug("turn for message %s: %s", message.id, exc)
+                return None
+            return await self._failed(conv, message, exc)
         except CellgateError as exc:
-            ref = reference_id()
-            logger.warning(
-                "turn for message %s failed (ref %s): %s",
-                message.id,
-                ref,
-                exc,
-                extra={"conversation": conv.id, "ref": ref},
-            )
-            await self._audit(conv, exc, ref)
-            return TurnAnswer(False, failure_text(exc, ref))
+            return await self._failed(conv, message, exc)
         except Exception as exc:
             ref = reference_id()
             logger.exception(
@@ -331,6 +359,19 @@ class TurnLoop:
             )
             await self._audit(conv, exc, ref)
             return TurnAnswer(False, failure_text(exc, ref))
+
+    async def _failed(self, conv: Conversation, message: Message, exc: CellgateError) -> TurnAnswer:
+        self._engine_attempts.pop(message.id, None)
+        ref = reference_id()
+        logger.warning(
+            "turn for message %s failed (ref %s): %s",
+            message.id,
+            ref,
+            exc,
+            extra={"conversation": conv.id, "ref": ref},
+        )
+        await self._audit(conv, exc, ref)
+        return TurnAnswer(False, failure_text(exc, ref))
 
     async def _audit(self, conv: Conversation, exc: BaseException, ref: str) -> None:
         """R6: the failure's details, for the operator, under the reference the chat saw."""

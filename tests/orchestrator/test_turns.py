@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from cellgate.errors import ExecFailed
+from cellgate.errors import EngineUnavailable, ExecFailed
 from cellgate.models import ConversationKey
 from orchestrator.store import Conversation, Message, MessageId, MessageState, Reply, Store
 from orchestrator.turns import TurnAnswer, TurnLoop
@@ -253,3 +253,41 @@ async def test_R4_lock_and_worker_maps_do_not_grow_with_strangers(
     await asyncio.sleep(0.05)
     assert loop.workers == 0
     assert len(loop._locks) == 0 and len(loop._workers) == 0
+
+
+async def test_R7_engine_away_the_message_waits_and_is_answered_when_it_returns(
+    store: Store, make_loop: Callable[..., TurnLoop], caplog: pytest.LogCaptureFixture
+) -> None:
+    away = 2
+
+    async def run(conv: Conversation, msg: Message) -> TurnAnswer:
+        nonlocal away
+        if away:
+            away -= 1
+            raise EngineUnavailable("connection refused")
+        return TurnAnswer(True, f"re:{msg.text}")
+
+    caplog.set_level(logging.INFO)
+    out = Delivered()
+    loop = make_loop(run, out, retry_pause=0.02)
+    first = submit(store, loop, "c1", "one")
+    second = submit(store, loop, "c1", "two")
+    await settle(store, [first.id, second.id])
+    assert out.replies == [("c1", "re:one"), ("c1", "re:two")]  # once each, in order
+    logs = [r.getMessage() for r in caplog.records]
+    assert any("engine is unavailable" in m for m in logs)
+    assert any("engine answers again" in m for m in logs)
+
+
+async def test_R7_engine_away_for_good_is_answered_with_a_reference(
+    store: Store, make_loop: Callable[..., TurnLoop]
+) -> None:
+    async def run(conv: Conversation, msg: Message) -> TurnAnswer:
+        raise EngineUnavailable("connection refused at /var/run/docker.sock")
+
+    out = Delivered()
+    loop = make_loop(run, out, retry_pause=0.001)
+    msg = submit(store, loop, "c1", "x")
+    await settle(store, [msg.id], within=20)
+    [(_, text)] = out.replies
+    assert "(ref r-" in text and "docker.sock" not in text
