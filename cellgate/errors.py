@@ -19,6 +19,7 @@
     │   └── ExecFailed(reason, exit_code, stderr)
     │                                           a command could not be run in a sandbox
     └── StoreError(reason)                      the state database failed or refused
+        ├── StoreFull(reason)                   its disk is full; nothing was written
         ├── NotFound(kind, key)                 no row with that id
         └── StateConflict(kind, key, expected, actual)
                                                 a guarded update found another state
@@ -158,6 +159,12 @@ class StoreError(CellgateError):
     def __init__(self, reason: str) -> None:
         self.reason = reason
         super().__init__(reason)
+
+
+class StoreFull(StoreError):
+    """The state disk is full: the write did not happen, and may be tried again (R7)."""
+
+    public = "the service is out of storage right now; please send it again later"
 
 
 class NotFound(StoreError):

@@ -45,6 +45,12 @@ class MessageIn(BaseModel):
     model_config = ConfigDict(extra="forbid")
     text: str = Field(min_length=1, max_length=100_000)
     message_id: str | None = Field(None, pattern=MESSAGE_ID_PATTERN)
+    sender: str = Field(
+        "",
+        max_length=128,
+        description="the end user behind this message, when the caller relays several: "
+        "rate limits and fair scheduling count per sender (R4)",
+    )
 
 
 class MessageOut(BaseModel):
@@ -99,9 +105,13 @@ async def post_message(
     require(ctx, who, agent, "message")
     mid = body.message_id or uuid.uuid4().hex
     if wait:
-        outcome = await ctx.gateway.turn(agent, "api", chat_id, body.text, message_id=mid)
+        outcome = await ctx.gateway.turn(
+            agent, "api", chat_id, body.text, message_id=mid, sender=body.sender
+        )
         return MessageOut.of(outcome)
-    msg, _ = await ctx.gateway.submit(agent, "api", chat_id, body.text, message_id=mid)
+    msg, _ = await ctx.gateway.submit(
+        agent, "api", chat_id, body.text, message_id=mid, sender=body.sender
+    )
     response.status_code = 202
     key = ConversationKey(agent, "api", chat_id)
     return MessageState(message_id=mid, state=msg.state.value, conversation=key.dir_name)

@@ -30,7 +30,10 @@ from cellgate.errors import (
     NotFound,
     PolicyDenied,
     SandboxError,
+    SandboxesBusy,
     StateConflict,
+    StoreFull,
+    Throttled,
     TurnTimeout,
     UnknownAgent,
 )
@@ -72,6 +75,9 @@ def error_response(status: int, code: str, message: str, rule: str | None = None
 
 
 _STATUS: tuple[tuple[type[CellgateError], int, str], ...] = (
+    (Throttled, 429, "throttled"),
+    (SandboxesBusy, 503, "busy"),
+    (StoreFull, 503, "storage_full"),
     (UnknownAgent, 404, "unknown_agent"),
     (ConversationError, 400, "bad_conversation"),
     (PolicyDenied, 403, "policy_denied"),
@@ -89,12 +95,18 @@ _STATUS: tuple[tuple[type[CellgateError], int, str], ...] = (
 def map_error(exc: CellgateError) -> JSONResponse:
     if isinstance(exc, ApiError):
         return error_response(exc.status, exc.code, exc.message, exc.rule)
-    rule = exc.rule if isinstance(exc, PolicyDenied) else None
+    rule = exc.rule if isinstance(exc, PolicyDenied | Throttled) else None
     if isinstance(exc, MountVerificationFailed):
         rule = "S4"
+    if isinstance(exc, SandboxesBusy):
+        rule = "R4"
     for cls, status, code in _STATUS:
         if isinstance(exc, cls):
-            return error_response(status, code, str(exc), rule)
+            message = exc.public if isinstance(exc, StoreFull) and exc.public else str(exc)
+            response = error_response(status, code, message, rule)
+            if isinstance(exc, Throttled) and exc.retry_after is not None:
+                response.headers["Retry-After"] = str(max(1, round(exc.retry_after)))
+            return response
     return error_response(500, "internal", str(exc))
 
 

@@ -27,7 +27,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from cellgate.errors import StoreError
+from cellgate.errors import StoreError, StoreFull
 from orchestrator.store.schema import MIGRATIONS, SCHEMA_VERSION
 
 logger = logging.getLogger(__name__)
@@ -123,6 +123,12 @@ class Database:
                 c.execute(f"PRAGMA user_version = {number}")
                 logger.info("state database %s migrated to version %d", self.path, number)
 
+    def _failed(self, what: str, exc: sqlite3.Error) -> StoreError:
+        """The store's error for a failed write; a full disk is its own kind (R7)."""
+        if getattr(exc, "sqlite_errorcode", None) == sqlite3.SQLITE_FULL or "full" in str(exc):
+            return StoreFull(f"{what} {self.path} failed: the disk is full ({exc})")
+        return StoreError(f"{what} {self.path} failed: {exc}")
+
     @contextmanager
     def write(self) -> Iterator[sqlite3.Connection]:
         """One write transaction: `BEGIN IMMEDIATE`, COMMIT on success, ROLLBACK on error."""
@@ -130,21 +136,23 @@ class Database:
         try:
             conn.execute("BEGIN IMMEDIATE")
         except sqlite3.Error as exc:
-            raise StoreError(f"cannot start a write on {self.path}: {exc}") from exc
+            raise self._failed("starting a write on", exc) from exc
         try:
             yield conn
         except sqlite3.Error as exc:
-            conn.execute("ROLLBACK")
-            raise StoreError(f"write to {self.path} failed: {exc}") from exc
+            if conn.in_transaction:
+                conn.execute("ROLLBACK")
+            raise self._failed("a write to", exc) from exc
         except BaseException:
-            conn.execute("ROLLBACK")
+            if conn.in_transaction:
+                conn.execute("ROLLBACK")
             raise
         try:
             conn.execute("COMMIT")
         except sqlite3.Error as exc:
             if conn.in_transaction:
                 conn.execute("ROLLBACK")
-            raise StoreError(f"commit to {self.path} failed: {exc}") from exc
+            raise self._failed("a commit to", exc) from exc
 
     @contextmanager
     def read(self) -> Iterator[sqlite3.Connection]:
