@@ -169,9 +169,14 @@ class SandboxGate:
         self._evict = evict
         self._refusals = refusals
         self._lock = asyncio.Lock()
+        self._starting: set[ConversationId] = set()
 
     async def make_room(self, conversation: ConversationId) -> None:
-        """Before the conversation's sandbox starts: evict an idle one, or raise `SandboxesBusy`."""
+        """Before the conversation's sandbox starts: evict an idle one, or raise `SandboxesBusy`.
+
+        A granted room is held for the conversation (it counts as live) until
+        `settled` says its sandbox is recorded or did not start.
+        """
         async with self._lock:
             for _ in range(3):
                 live = await self._live()
@@ -180,7 +185,8 @@ class SandboxGate:
                 idle = [
                     sb.name for sb in sorted(live, key=lambda sb: sb.last_used_at) if not sb.busy
                 ]
-                room = sandbox_room(len(live), self.max_sandboxes, idle)
+                starting = self._starting - {sb.conversation for sb in live}
+                room = sandbox_room(len(live) + len(starting), self.max_sandboxes, idle)
                 if not room.decision:
                     await asyncio.to_thread(
                         self._refusals.record_refusal,
@@ -191,7 +197,12 @@ class SandboxGate:
                     )
                     raise SandboxesBusy(room.decision.reason)
                 if room.evict is None:
+                    self._starting.add(conversation)
                     return
                 logger.info("evicting idle sandbox %s to make room (R4)", room.evict)
                 await self._evict(room.evict)
             raise SandboxesBusy("could not make room for a new sandbox; try again")
+
+    def settled(self, conversation: ConversationId) -> None:
+        """The conversation's sandbox is recorded (or did not start): its hold ends."""
+        self._starting.discard(conversation)

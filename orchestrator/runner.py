@@ -155,16 +155,20 @@ class TurnRunner:
         key = conversation_key(conv)
         if self.gate is not None:
             await self.gate.make_room(conv.id)  # R4: the sandbox cap
-        prepared = await rt.sandboxes.ensure(key, session_id)
-        sandbox.append(prepared.handle.name)
-        await asyncio.to_thread(
-            self.store.record_sandbox,
-            prepared.handle.name,
-            conversation=conv.id,
-            app=prepared.spec.app,
-            agent=conv.agent,
-            spec_hash=prepared.handle.spec_hash,
-        )
+        try:
+            prepared = await rt.sandboxes.ensure(key, session_id)
+            sandbox.append(prepared.handle.name)
+            await asyncio.to_thread(
+                self.store.record_sandbox,
+                prepared.handle.name,
+                conversation=conv.id,
+                app=prepared.spec.app,
+                agent=conv.agent,
+                spec_hash=prepared.handle.spec_hash,
+            )
+        finally:
+            if self.gate is not None:
+                self.gate.settled(conv.id)
         paths = prepared.paths
         await asyncio.to_thread(install_client, paths.bridge_dir)
         await self.bridge.open(
