@@ -166,7 +166,17 @@ def _install(
 ) -> tuple[Path, InstalledApp]:
     base = os.environ.get("CELLGATE_BASE_IMAGE", "cellgate-base:bookworm")
     config_path = state / "config.json"
-    gateway: dict[str, Any] = {"stateDir": str(state), "maxConcurrentTurns": max_concurrent_turns}
+    gateway: dict[str, Any] = {
+        "stateDir": str(state),
+        "maxConcurrentTurns": max_concurrent_turns,
+        # admission stays on the path, with limits no benchmark reaches
+        "admission": {
+            "chatPerMinute": 1e6,
+            "senderPerMinute": 1e6,
+            "burst": 1e6,
+            "maxQueuedPerChat": 10_000,
+        },
+    }
     if runtime:
         gateway["runtime"] = runtime
     write_config_document(config_path, {"gateway": gateway, "agents": []})

@@ -138,7 +138,14 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Live]:
     write_config_document(
         config_path,
         {
-            "gateway": {"stateDir": str(state)},
+            "gateway": {
+                "stateDir": str(state),
+                "admission": {
+                    "chatPerMinute": 100_000,
+                    "burst": 10_000,
+                    "maxQueuedPerChat": 10_000,
+                },
+            },
             "apiKeys": [{"name": "first-run", "key": CONFIG_KEY, "agents": ["open"]}],
             "agents": [
                 {"id": "iso", "isolateMemory": True, "app": "isoapp"},

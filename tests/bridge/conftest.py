@@ -202,7 +202,19 @@ def bridge_app(docker_client: Any, base_image: str) -> Iterator[BridgeApp]:
     os.chmod(state, 0o755)
     config_path = state / "config.json"
     write_config_document(
-        config_path, {"gateway": {"stateDir": str(state), "limits": {"pids": 64}}, "agents": []}
+        config_path,
+        {
+            "gateway": {
+                "stateDir": str(state),
+                "limits": {"pids": 64},
+                "admission": {
+                    "chatPerMinute": 100_000,
+                    "burst": 10_000,
+                    "maxQueuedPerChat": 10_000,
+                },
+            },
+            "agents": [],
+        },
     )
     src = state / "app-src"
     shutil.copytree(sample_app_dir(), src, symlinks=True)

@@ -35,6 +35,13 @@ CANARIES = {
 CONFIG_KEY = "cg_canaryCONFIGkey0123456789abcdefghij"
 APP_SECRETS = {"DB_PASSWORD": "canary-db-password-0123", "SHOP_API_TOKEN": "canary-shop-token-4567"}
 CANARY_NEEDLE = "canary"
+# Test gateways send many messages to few chats; a test of admission passes its own.
+SUITE_ADMISSION = {
+    "chatPerMinute": 100_000,
+    "senderPerMinute": 100_000,
+    "burst": 10_000,
+    "maxQueuedPerChat": 10_000,
+}
 APP_PUBLIC_ENV = {"APP_MODE": "demo-public-setting"}
 
 
@@ -84,7 +91,7 @@ def install_test_app(
     write_config_document(
         config_path,
         {
-            "gateway": {"stateDir": str(state), **(gateway or {})},
+            "gateway": {"stateDir": str(state), "admission": SUITE_ADMISSION, **(gateway or {})},
             "apiKeys": [{"name": name, "key": CONFIG_KEY, "agents": [f"{name}-bot"]}],
             "agents": [],
         },
