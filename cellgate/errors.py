@@ -11,6 +11,8 @@
     ├── SandboxesBusy(reason)                   no sandbox may start now (R4)
     ├── PolicyDenied(rule, reason)              a policy refused an action
     ├── BridgeError(code, reason)               a bridge tool call was malformed or failed
+    ├── UnsafePath(rel, kind, reason)           a path a sandbox can write is not a plain
+    │                                           file or directory (link, FIFO, ...); not used
     ├── SandboxError                            anything about a sandbox container
     │   ├── EngineUnavailable(reason)           no Docker engine answers
     │   ├── ImageError(image, reason)           an image is missing or failed to build
@@ -197,3 +199,19 @@ class BridgeError(CellgateError):
         self.code = code
         self.reason = reason
         super().__init__(f"{code}: {reason}")
+
+
+class UnsafePath(CellgateError):
+    """A path under a directory a sandbox can write was refused and left untouched.
+
+    `rel` is the path relative to that directory (never a host path); `kind`
+    is what was found or why: `symlink`, `fifo`, `socket`, `device`, `dir`,
+    `regular` (where a directory was needed), `hardlink`, `swapped`,
+    `too_large`, `sparse`, `escape` (absolute, `..`, NUL, empty).
+    """
+
+    def __init__(self, rel: str, kind: str, reason: str) -> None:
+        self.rel = rel
+        self.kind = kind
+        self.reason = reason
+        super().__init__(f"{rel!r} {reason}")

@@ -8,14 +8,12 @@ two different chats apart even when their slugs agree.
 
 from __future__ import annotations
 
-import contextlib
-import os
-import stat
 from dataclasses import dataclass
 from pathlib import Path
 
-from cellgate.errors import ConversationError
+from cellgate.errors import ConversationError, UnsafePath
 from cellgate.models import ConversationKey
+from orchestrator.safefs import LeftOut, SafeDir, left_out
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,50 +39,48 @@ def conversation_paths(
     )
 
 
-def _mkdir_nofollow(path: Path, mode: int = 0o755) -> None:
-    """Create `path` (one level) and refuse if what is there is not a real directory."""
-    with contextlib.suppress(FileExistsError):
-        os.mkdir(path, mode)
-    st = os.lstat(path)
-    if not stat.S_ISDIR(st.st_mode):
-        raise ConversationError(f"{path} exists and is not a directory (symlinks are refused)")
-
-
-def _mkdirs_nofollow(base: Path, target: Path) -> None:
-    rel = target.relative_to(base)
-    current = base
-    for part in rel.parts:
-        current = current / part
-        _mkdir_nofollow(current)
+def _mkdirs(base: SafeDir, rel: Path) -> SafeDir:
+    """`mkdir -p` below `base` without following a link; the opened directory."""
+    try:
+        return base.subdir(rel.as_posix(), create=True)
+    except UnsafePath as exc:
+        raise ConversationError(
+            f"{exc.rel} exists and is not a directory (symlinks are refused); "
+            "remove it and send the message again"
+        ) from exc
 
 
 def ensure_conversation(
-    paths: ConversationPaths, owner_uid: int | None, owner_gid: int | None
+    paths: ConversationPaths,
+    owner_uid: int | None,
+    owner_gid: int | None,
+    *,
+    report: LeftOut | None = None,
 ) -> None:
     """Create the conversation's directories; USER.md and MEMORY.md start empty (M3).
 
     Never seeded from the workspace-root USER.md/MEMORY.md. When the gateway
     runs as root the writable directories are handed to the sandbox user.
+    Everything below the workspace and the agent root goes through
+    `orchestrator.safefs`: a planted symlink on the way raises
+    `ConversationError`; a symlink, FIFO, device or hard link planted as
+    USER.md or MEMORY.md is left untouched (never opened for writing, never
+    waited on) and logged, and the sandbox's own memory stays empty.
     """
     agent_root = paths.home_dir.parent.parent
-    _mkdirs_nofollow(paths.workspace, paths.chat_dir)
-    _mkdirs_nofollow(paths.workspace, paths.media_dir)
-    _mkdirs_nofollow(agent_root, paths.home_dir)
-    _mkdirs_nofollow(agent_root, paths.bridge_dir)
-    for name in ("USER.md", "MEMORY.md"):
-        fd = os.open(
-            paths.chat_dir / name, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644
-        )
-        os.close(fd)
-    writable = [paths.chat_dir, paths.media_dir, paths.home_dir]
-    writable += [paths.chat_dir / "USER.md", paths.chat_dir / "MEMORY.md"]
-    for p in writable:
-        if owner_uid is not None and os.geteuid() == 0:
-            os.chown(
-                p,
-                owner_uid,
-                owner_gid if owner_gid is not None else owner_uid,
-                follow_symlinks=False,
-            )
-        elif owner_uid is not None and owner_uid != os.geteuid():
-            os.chmod(p, 0o777 if p.is_dir() else 0o666)
+    owner = (
+        None if owner_uid is None else (owner_uid, owner_uid if owner_gid is None else owner_gid)
+    )
+    with SafeDir.trusted(paths.workspace) as ws, SafeDir.trusted(agent_root) as root:
+        with _mkdirs(ws, paths.chat_dir.relative_to(paths.workspace)) as chat:
+            for name in ("USER.md", "MEMORY.md"):
+                try:
+                    chat.ensure_file(name, owner=owner)
+                except UnsafePath as exc:
+                    left_out(paths.chat_dir.name, name, exc, report)
+            chat.hand_over(owner)
+        with _mkdirs(ws, paths.media_dir.relative_to(paths.workspace)) as media:
+            media.hand_over(owner)
+        with _mkdirs(root, paths.home_dir.relative_to(agent_root)) as home:
+            home.hand_over(owner)
+        _mkdirs(root, paths.bridge_dir.relative_to(agent_root)).close()

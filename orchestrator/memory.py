@@ -17,25 +17,23 @@
 The gateway runs as root on the host while a sandbox can write its own chat
 and home directories, so every file here is opened without following
 symlinks, only if it is a regular file, and read up to a cap; writes go to a
-temporary file renamed into a directory opened with O_NOFOLLOW.
+temporary file renamed into a directory opened with O_NOFOLLOW. All of it
+goes through `orchestrator.safefs`.
 """
 
 from __future__ import annotations
 
-import contextlib
-import errno
 import logging
-import os
 import re
-import secrets
-import stat
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Literal
 
+from cellgate.errors import UnsafePath
 from cellgate.models import HEARTBEAT_CHAT, ConversationKey
 from orchestrator.config import MemorySettings
+from orchestrator.safefs import READ_CAP_BYTES, LeftOut, SafeDir, left_out
 from policies.memory import budget_banner
 from sandbox.mountplan import WORKSPACE
 
@@ -54,8 +52,6 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-READ_CAP_BYTES = 256 * 1024
-"""No file is read past this many bytes, whatever its size."""
 HARD_FILE_CHARS = 20_000
 """The hard per-file limit in the composed text; the soft budgets sit well under it."""
 HEARTBEAT_CHANNEL = "heartbeat"
@@ -69,84 +65,41 @@ _PERSONA: tuple[tuple[str, str], ...] = (
 _HEADING = re.compile(r"^(#{1,3})\s+(.+?)\s*#*\s*$")
 
 
-# --- reading and writing without following symlinks ------------------------------------
+# --- reading and writing without following symlinks (through orchestrator.safefs) ------
 
 
-def _open_dir_nofollow(path: Path) -> int:
-    return os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
-
-
-def read_text_nofollow(path: Path, cap: int = READ_CAP_BYTES) -> str | None:
+def read_text_nofollow(
+    path: Path, cap: int = READ_CAP_BYTES, *, report: LeftOut | None = None
+) -> str | None:
     """The text of the regular file `path`, at most `cap` bytes; None if it is absent.
 
-    A symlink, FIFO, device or directory in its place counts as absent (and
-    is logged): the file is opened with O_NOFOLLOW and O_NONBLOCK, so neither
-    a planted link nor a planted FIFO can make the gateway read or hang on
-    something else. The final component is the one a sandbox can replace; its
-    parent directories belong to the gateway.
+    A symlink, FIFO, socket, device, directory or hard link in its place counts
+    as absent and is logged (directory name and kind, never a host path): the
+    file is opened through `orchestrator.safefs`, without following links and
+    without waiting on a FIFO. The final component is the one a sandbox can
+    replace; its parent directory belongs to the gateway (opened `O_NOFOLLOW`).
     """
-    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
     try:
-        fd = os.open(path, flags)
+        with SafeDir.open(path.parent) as d:
+            raw = d.read(path.name, cap=cap)
     except FileNotFoundError:
         return None
-    except OSError as exc:
-        if exc.errno in (errno.ELOOP, errno.EMLINK, errno.ENOTDIR, errno.ENXIO):
-            logger.warning("%s is not a regular file (a symlink?); left out", path)
-            return None
-        raise
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            logger.warning("%s is not a regular file; left out", path)
-            return None
-        chunks: list[bytes] = []
-        left = cap
-        while left > 0:
-            chunk = os.read(fd, min(left, 65536))
-            if not chunk:
-                break
-            chunks.append(chunk)
-            left -= len(chunk)
-    finally:
-        os.close(fd)
-    return b"".join(chunks).decode("utf-8", "replace")
+    except UnsafePath as exc:
+        left_out(path.parent.name, path.name, exc, report)
+        return None
+    return None if raw is None else raw.decode("utf-8", "replace")
 
 
 def write_file_nofollow(directory: Path, name: str, data: bytes, mode: int = 0o644) -> None:
     """Atomically replace `directory/name` with `data`, following no symlink.
 
-    The directory is opened with O_NOFOLLOW and everything happens relative to
-    that descriptor: a temporary file created with O_EXCL, fsynced, then
-    renamed over `name`. A symlink planted at `name` is replaced, never
-    written through; a symlink in place of `directory` is refused.
+    Done by `SafeDir.write_atomic`: a temporary file beside it, fsynced, then
+    renamed over `name` between directory descriptors. A symlink planted at
+    `name` is replaced, never written through; a symlink in place of
+    `directory` raises `UnsafePath`.
     """
-    if not name or "/" in name or name in (".", ".."):
-        raise ValueError(f"{name!r} is not a plain file name")
-    dfd = _open_dir_nofollow(directory)
-    try:
-        tmp = f".{name}.{secrets.token_hex(6)}.tmp"
-        fd = os.open(
-            tmp,
-            os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
-            mode,
-            dir_fd=dfd,
-        )
-        try:
-            try:
-                view = memoryview(data)
-                while view:
-                    view = view[os.write(fd, view) :]
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-            os.rename(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
-        except BaseException:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(tmp, dir_fd=dfd)
-            raise
-    finally:
-        os.close(dfd)
+    with SafeDir.open(directory) as d:
+        d.write_atomic(name, data, mode=mode)
 
 
 def write_session_files(home_dir: Path, text: str) -> Path:
@@ -170,8 +123,8 @@ class _File:
     chars: int
 
 
-def _load(path: Path) -> _File | None:
-    text = read_text_nofollow(path)
+def _load(path: Path, report: LeftOut | None = None) -> _File | None:
+    text = read_text_nofollow(path, report=report)
     if text is None:
         return None
     return _File(text, len(text))
@@ -270,6 +223,7 @@ def compose_claude_md(
     *,
     write_routing: bool = False,
     shown_workspace: PurePosixPath = WORKSPACE,
+    report: LeftOut | None = None,
 ) -> str:
     """The CLAUDE.md text a session of this agent (and conversation) receives at spawn.
 
@@ -277,7 +231,8 @@ def compose_claude_md(
     (`ConversationPaths.chat_dir`); it is required for an isolated agent and
     not read otherwise. `shown_workspace` is where the session sees the
     workspace (`/workspace` in a sandbox); the Memory Rule names the
-    conversation's files there. Nothing on disk is modified.
+    conversation's files there. Nothing on disk is modified. A file that is
+    not a plain regular file is left out (logged, and told to `report`).
     """
     parts: list[str] = []
     template = _load(workspace / "CLAUDE.md")
@@ -297,7 +252,7 @@ def compose_claude_md(
         parts.append(
             _memory_section(
                 f"This conversation's user profile ({chat_shown}/USER.md)",
-                _load(chat_dir / "USER.md"),
+                _load(chat_dir / "USER.md", report),
                 "user",
                 settings.user_budget_chars,
                 settings,
@@ -307,7 +262,7 @@ def compose_claude_md(
         parts.append(
             _memory_section(
                 f"This conversation's memory ({chat_shown}/MEMORY.md)",
-                _load(chat_dir / "MEMORY.md"),
+                _load(chat_dir / "MEMORY.md", report),
                 "memory",
                 settings.memory_budget_chars,
                 settings,
@@ -320,7 +275,7 @@ def compose_claude_md(
     parts.append(
         _memory_section(
             "User profile (USER.md)",
-            _load(workspace / "USER.md"),
+            _load(workspace / "USER.md", report),
             "user",
             settings.user_budget_chars,
             settings,
@@ -330,7 +285,7 @@ def compose_claude_md(
     parts.append(
         _memory_section(
             "Long-term memory (MEMORY.md)",
-            _load(workspace / "MEMORY.md"),
+            _load(workspace / "MEMORY.md", report),
             "memory",
             settings.memory_budget_chars,
             settings,

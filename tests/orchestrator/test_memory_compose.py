@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from cellgate.errors import UnsafePath
 from cellgate.models import HEARTBEAT_CHAT, ConversationKey
 from orchestrator.config import MemorySettings
 from orchestrator.conversations import conversation_paths, ensure_conversation
@@ -259,7 +260,7 @@ def test_M5_session_files_refuse_a_symlinked_home_dir(tree: Tree, tmp_path: Path
     elsewhere.mkdir()
     link = tmp_path / "home-link"
     link.symlink_to(elsewhere, target_is_directory=True)
-    with pytest.raises(OSError):
+    with pytest.raises(UnsafePath):
         write_session_files(link, "text")
     assert list(elsewhere.iterdir()) == []
 
