@@ -19,12 +19,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Generic, TypeVar
 
 from cellgate.errors import SandboxesBusy, Throttled
+from orchestrator.bounded import LruMap
 from orchestrator.config import Admission as AdmissionSettings
 from orchestrator.store import ConversationId
 from orchestrator.store.views import RefusalStore
@@ -36,28 +35,6 @@ logger = logging.getLogger(__name__)
 BUCKETS_MAX = 10_000
 AUDIT_EVERY_SECONDS = 60.0
 SANDBOX_SHARE_OF_MEMORY = 0.8
-
-
-K = TypeVar("K")
-V = TypeVar("V")
-
-
-class _Lru(Generic[K, V]):
-    def __init__(self, size: int) -> None:
-        self._size = size
-        self._items: OrderedDict[K, V] = OrderedDict()
-
-    def get(self, key: K) -> V | None:
-        return self._items.get(key)
-
-    def put(self, key: K, value: V) -> None:
-        self._items[key] = value
-        self._items.move_to_end(key)
-        while len(self._items) > self._size:
-            self._items.popitem(last=False)
-
-    def __len__(self) -> int:
-        return len(self._items)
 
 
 class MessageGate:
@@ -72,8 +49,8 @@ class MessageGate:
         self.settings = settings
         self.refusals = refusals
         self.clock = clock
-        self._buckets: _Lru[str, Bucket] = _Lru(size)
-        self._audited: _Lru[str, float] = _Lru(size)
+        self._buckets: LruMap[str, Bucket] = LruMap(size)
+        self._audited: LruMap[str, float] = LruMap(size)
 
     def check_rate(
         self, agent: str, channel: str, chat_id: str, sender: str

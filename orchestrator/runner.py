@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +21,7 @@ from cellgate.errors import CellgateError, TurnTimeout
 from cellgate.models import ConversationKey, OutboundMessage
 from orchestrator.admission import SandboxGate
 from orchestrator.agents import AgentRuntime, Agents
+from orchestrator.bounded import LruMap
 from orchestrator.bridge import BridgeScope, BridgeServer, install_client
 from orchestrator.config import GatewaySettings
 from orchestrator.delivery import GatewayOutbox
@@ -57,17 +57,13 @@ class Outcomes:
     """Message id -> outcome, the newest `size` only; a caller takes its own once."""
 
     def __init__(self, size: int = OUTCOMES_MAX) -> None:
-        self._size = size
-        self._items: OrderedDict[MessageId, Outcome] = OrderedDict()
+        self._items: LruMap[MessageId, Outcome] = LruMap(size)
 
     def put(self, message_id: MessageId, outcome: Outcome) -> None:
-        self._items[message_id] = outcome
-        self._items.move_to_end(message_id)
-        while len(self._items) > self._size:
-            self._items.popitem(last=False)
+        self._items.put(message_id, outcome)
 
     def take(self, message_id: MessageId) -> Outcome | None:
-        return self._items.pop(message_id, None)
+        return self._items.pop(message_id)
 
     def __len__(self) -> int:
         return len(self._items)

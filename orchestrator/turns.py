@@ -19,13 +19,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
-from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from functools import partial
 from typing import Protocol
 
 from cellgate.errors import CellgateError, EngineUnavailable, StateConflict, TurnTimeout
+from orchestrator.bounded import LruMap
 from orchestrator.slots import FairSlots
 from orchestrator.store import (
     Conversation,
@@ -102,8 +102,8 @@ class TurnLoop:
         self._again: set[ConversationId] = set()
         self._locks: dict[ConversationId, asyncio.Lock] = {}
         self._waiters: dict[MessageId, list[asyncio.Future[Reply]]] = {}
-        self._attempts: OrderedDict[MessageId, int] = OrderedDict()
-        self._engine_attempts: OrderedDict[MessageId, int] = OrderedDict()
+        self._attempts: LruMap[MessageId, int] = LruMap(_ATTEMPTS_MAX)
+        self._engine_attempts: LruMap[MessageId, int] = LruMap(_ATTEMPTS_MAX)
         self._engine_down = False
         self._retries: dict[ConversationId, asyncio.TimerHandle] = {}
         self._closing = False
@@ -243,11 +243,11 @@ class TurnLoop:
                 self._engine_down = False
                 logger.info("the sandbox engine answers again; turns go on")
             reply = await asyncio.to_thread(self._record, message.id, answer.text)
-        self._engine_attempts.pop(message.id, None)
+        self._engine_attempts.pop(message.id)
         self._resolve(message.id, reply)
         if reply.delivered_at is None and not await self._try_deliver(conv, message, reply):
             return False
-        self._attempts.pop(message.id, None)
+        self._attempts.pop(message.id)
         return True
 
     async def _engine_wait(self, conv: Conversation, message: Message) -> None:
@@ -258,10 +258,8 @@ class TurnLoop:
             await asyncio.to_thread(
                 self.store.transition, message.id, MessageState.RUNNING, MessageState.ACCEPTED
             )
-        attempts = self._engine_attempts.pop(message.id, 0) + 1
-        self._engine_attempts[message.id] = attempts
-        while len(self._engine_attempts) > _ATTEMPTS_MAX:
-            self._engine_attempts.popitem(last=False)
+        attempts = (self._engine_attempts.pop(message.id) or 0) + 1
+        self._engine_attempts.put(message.id, attempts)
         pause = min(MAX_RETRY_SECONDS, self._retry_pause * 2 ** (attempts - 1))
         logger.warning(
             "the sandbox engine is unavailable; message %s waits and is tried again in %.0f s",
@@ -295,7 +293,7 @@ class TurnLoop:
         except asyncio.CancelledError:
             raise
         except Exception as exc:
-            attempts = self._attempts.pop(message.id, 0) + 1
+            attempts = (self._attempts.pop(message.id) or 0) + 1
             if attempts >= DELIVERY_ATTEMPTS:
                 logger.error(
                     "giving up delivering the reply to message %s after %d attempts: %s",
@@ -312,9 +310,7 @@ class TurnLoop:
                     error=f"delivery failed {attempts} times: {type(exc).__name__}",
                 )
                 return True
-            self._attempts[message.id] = attempts
-            while len(self._attempts) > _ATTEMPTS_MAX:
-                self._attempts.popitem(last=False)
+            self._attempts.put(message.id, attempts)
             pause = min(MAX_RETRY_SECONDS, self._retry_pause * 2 ** (attempts - 1))
             logger.warning(
                 "delivering the reply to message %s failed (attempt %d, next in %.0f s): %s",
@@ -343,7 +339,7 @@ class TurnLoop:
             except TimeoutError as exc:
                 raise TurnTimeout(self._turn_timeout) from exc
         except EngineUnavailable as exc:
-            if self._engine_attempts.get(message.id, 0) < ENGINE_ATTEMPTS:
+            if (self._engine_attempts.get(message.id) or 0) < ENGINE_ATTEMPTS:
                 logger.debug("turn for message %s: %s", message.id, exc)
                 return None
             return await self._failed(conv, message, exc)
@@ -361,7 +357,7 @@ class TurnLoop:
             return TurnAnswer(False, failure_text(exc, ref))
 
     async def _failed(self, conv: Conversation, message: Message, exc: CellgateError) -> TurnAnswer:
-        self._engine_attempts.pop(message.id, None)
+        self._engine_attempts.pop(message.id)
         ref = reference_id()
         logger.warning(
             "turn for message %s failed (ref %s): %s",

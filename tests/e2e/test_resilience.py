@@ -49,6 +49,16 @@ class Client:
             timeout=timeout,
         )
 
+    def later(self, chat: str, text: str, message_id: str) -> httpx.Response:
+        """Send without waiting for the reply (202 once stored)."""
+        return httpx.post(
+            f"{self.url}/v1/agents/{self.agent}/chats/{chat}/messages",
+            params={"wait": "false"},
+            json={"text": text, "message_id": message_id},
+            headers=self.headers,
+            timeout=60,
+        )
+
     def state(self, chat: str, message_id: str) -> dict[str, Any]:
         r = httpx.get(
             f"{self.url}/v1/agents/{self.agent}/chats/{chat}/messages/{message_id}",
@@ -200,13 +210,7 @@ def test_R7_engine_dies_mid_turn_nothing_lost_or_misrouted_and_it_recovers(
                 for i in range(3):
                     for chat in (f"warm-{i}", f"cold-{i}"):
                         mid = f"{chat}-m"
-                        r = httpx.post(
-                            f"{client.url}/v1/agents/{client.agent}/chats/{chat}/messages",
-                            params={"wait": "false"},
-                            json={"text": f"sleep 2; echo answer-for-{chat}", "message_id": mid},
-                            headers=client.headers,
-                            timeout=30,
-                        )
+                        r = client.later(chat, f"sleep 2; echo answer-for-{chat}", mid)
                         assert r.status_code == 202, r.text
                         sent[mid] = (chat, f"answer-for-{chat}")
                 time.sleep(1.0)
@@ -264,26 +268,14 @@ def test_R7_state_disk_fills_no_accepted_message_is_lost_and_it_recovers(
         sent: dict[str, tuple[str, str]] = {}
         for i in range(3):
             chat = f"early-{i}"
-            r = httpx.post(
-                f"{client.url}/v1/agents/{client.agent}/chats/{chat}/messages",
-                params={"wait": "false"},
-                json={"text": f"sleep 1; echo answer-for-{chat}", "message_id": f"{chat}-m"},
-                headers=client.headers,
-                timeout=30,
-            )
+            r = client.later(chat, f"sleep 1; echo answer-for-{chat}", f"{chat}-m")
             assert r.status_code == 202
             sent[f"{chat}-m"] = (chat, f"answer-for-{chat}")
         filler = fill(small_disk)
         refused = 0
         for i in range(5):
             chat = f"full-{i}"
-            r = httpx.post(
-                f"{client.url}/v1/agents/{client.agent}/chats/{chat}/messages",
-                params={"wait": "false"},
-                json={"text": f"echo answer-for-{chat}", "message_id": f"{chat}-m"},
-                headers=client.headers,
-                timeout=60,
-            )
+            r = client.later(chat, f"echo answer-for-{chat}", f"{chat}-m")
             assert r.status_code in (202, 503), r.text
             if r.status_code == 202:
                 sent[f"{chat}-m"] = (chat, f"answer-for-{chat}")
