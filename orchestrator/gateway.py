@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 import uuid
@@ -31,7 +32,14 @@ from orchestrator.bridge import (
     install_client,
 )
 from orchestrator.config import AgentConfig, GatewayConfig, HeartbeatSettings
-from orchestrator.harnesses.base import DispatchResult, Harness, SessionContext
+from orchestrator.harnesses.base import (
+    Harness,
+    HistoryEntry,
+    SentMessage,
+    SessionContext,
+    TurnRequest,
+    TurnResult,
+)
 from orchestrator.harnesses.command import CommandHarness
 from orchestrator.harnesses.openai import OpenAIHarness
 from orchestrator.harnesses.shell import ShellHarness
@@ -98,7 +106,7 @@ class AgentRuntime:
 class TurnOutcome:
     conversation: ConversationKey
     sandbox: str
-    result: DispatchResult
+    result: TurnResult
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,7 +114,7 @@ class _Ran:
     """What the turn that answered a message left for a caller waiting on it."""
 
     sandbox: str
-    result: DispatchResult | None
+    result: TurnResult | None
     error: CellgateError | None
 
 
@@ -256,7 +264,7 @@ class Gateway:
             raise ran.error
         if ran is not None and ran.result is not None:
             return TurnOutcome(key, ran.sandbox, ran.result)
-        result = DispatchResult(ok=True, reply=reply.text, turn_id=str(msg.id), meta={})
+        result = TurnResult(ok=True, reply=reply.text, turn_id=str(msg.id))
         return TurnOutcome(key, ran.sandbox if ran else "", result)
 
     # -- one turn ----------------------------------------------------------
@@ -307,7 +315,7 @@ class Gateway:
         session_id: SessionId,
         text: str,
         sandbox: list[str],
-    ) -> DispatchResult:
+    ) -> TurnResult:
         """One harness turn in the conversation's verified sandbox, with its bridge open."""
         assert rt.sandboxes is not None
         key = ConversationKey(conv.agent, conv.channel, conv.chat_id)
@@ -323,22 +331,25 @@ class Gateway:
         )
         paths = prepared.paths
         await asyncio.to_thread(install_client, paths.bridge_dir)
-        await self.bridge.open(
-            BridgeScope.for_conversation(
-                key,
-                session_id,
-                paths,
-                isolated=rt.started_isolated,
-                archive_enabled=not rt.config.disable_archive,
-            )
+        scope = BridgeScope.for_conversation(
+            key,
+            session_id,
+            paths,
+            isolated=rt.started_isolated,
+            archive_enabled=not rt.config.disable_archive,
         )
+        await self.bridge.open(scope)
         system_prompt = await asyncio.to_thread(self._compose, rt, paths.workspace, paths.chat_dir)
         await asyncio.to_thread(write_session_files, paths.home_dir, system_prompt)
-        meta = {
-            "resume": await asyncio.to_thread(load_session_id, paths.chat_dir),
-            "system_prompt": system_prompt,
-            "history": await asyncio.to_thread(recent_history, paths.chat_dir),
-        }
+        request = TurnRequest(
+            prompt=text,
+            system_prompt=system_prompt,
+            history=HistoryEntry.parse_many(
+                await asyncio.to_thread(recent_history, paths.chat_dir)
+            ),
+            resume_id=await asyncio.to_thread(load_session_id, paths.chat_dir),
+            tools=self.bridge.handlers.definitions(scope),
+        )
         ctx = SessionContext(
             conversation=key,
             session_key=session_id,
@@ -351,22 +362,19 @@ class Gateway:
         try:
             async with asyncio.timeout(timeout):
                 await rt.harness.ensure_session(ctx)
-                result = await rt.harness.dispatch(ctx, text, meta)
+                result = await rt.harness.dispatch(ctx, request)
         except TimeoutError as exc:
             raise TurnTimeout(timeout) from exc
         sent = self.outbox.pending.take(conv.id)
         if sent:
-            result = DispatchResult(
-                ok=result.ok,
-                reply=result.reply,
-                turn_id=result.turn_id,
-                meta={**result.meta, "messages": [_sent(m) for m in sent]},
+            result = dataclasses.replace(
+                result, messages_sent=tuple(SentMessage.of(m) for m in sent)
             )
         return result
 
     # -- heartbeat (M4) ----------------------------------------------------
 
-    async def heartbeat_once(self, agent_id: str) -> list[tuple[ConversationKey, DispatchResult]]:
+    async def heartbeat_once(self, agent_id: str) -> list[tuple[ConversationKey, TurnResult]]:
         """One heartbeat in every live session of the agent, or in `__heartbeat__` if none."""
         rt = self._runnable(agent_id)
         prompt = (rt.config.heartbeat or HeartbeatSettings(every_minutes=60)).prompt
@@ -380,7 +388,7 @@ class Gateway:
         keys = [
             ConversationKey(c.agent, c.channel, c.chat_id) for c in convs.values() if c is not None
         ]
-        done: list[tuple[ConversationKey, DispatchResult]] = []
+        done: list[tuple[ConversationKey, TurnResult]] = []
         for target in heartbeat_targets(agent_id, keys):
             conv = await asyncio.to_thread(self.store.upsert_conversation, target.conversation)
             async with self.loop.conversation_lock(conv.id):
@@ -433,7 +441,7 @@ class Gateway:
         role: str,
         text: str,
         message_id: MessageId | None,
-        result: DispatchResult,
+        result: TurnResult,
     ) -> None:
         """D3: the transcript and the harness session id, after every turn."""
         assert rt.sandboxes is not None
@@ -454,8 +462,7 @@ class Gateway:
                 },
             ],
         )
-        harness_sid = result.meta.get("harness_session_id")
-        save_session_id(chat_dir, session_id, harness_sid if isinstance(harness_sid, str) else None)
+        save_session_id(chat_dir, session_id, result.harness_session_id)
 
     async def _deliver(self, conv: Conversation, reply: Reply) -> None:
         if conv.channel == "api":
@@ -523,13 +530,3 @@ class Gateway:
         for s in await asyncio.to_thread(self.store.live_sessions, conversation=sb.conversation_id):
             await asyncio.to_thread(self.store.end_session, s.id)
         await asyncio.to_thread(self.store.forget_sandbox, name)
-
-
-def _sent(m: OutboundMessage) -> dict[str, Any]:
-    """A bridge delivery as the API shows it (no host paths)."""
-    out: dict[str, Any] = {"kind": m.kind.value, "text": m.text}
-    if m.file_name:
-        out["file_name"] = m.file_name
-    if m.extra:
-        out["extra"] = dict(m.extra)
-    return out
