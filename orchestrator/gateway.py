@@ -32,7 +32,7 @@ from orchestrator.agents import AgentRuntime, Agents, build_harness
 from orchestrator.bridge import BridgeServer, BuiltinTools, StoreRefusals, ToolHandlers
 from orchestrator.config import GatewayConfig
 from orchestrator.delivery import GatewayOutbox, ReplyDelivery
-from orchestrator.harnesses.base import DispatchResult
+from orchestrator.harnesses.base import TurnResult
 from orchestrator.heartbeats import Heartbeats
 from orchestrator.intake import Intake
 from orchestrator.runner import TurnRunner, session_env
@@ -50,7 +50,7 @@ __all__ = ["AgentRuntime", "Gateway", "TurnOutcome", "build_harness"]
 class TurnOutcome:
     conversation: ConversationKey
     sandbox: str
-    result: DispatchResult
+    result: TurnResult
 
 
 class Gateway:
@@ -183,13 +183,13 @@ class Gateway:
             raise ran.error
         if ran is not None and ran.result is not None:
             return TurnOutcome(key, ran.sandbox, ran.result)
-        result = DispatchResult(ok=True, reply=reply.text, turn_id=str(msg.id), meta={})
+        result = TurnResult(ok=True, reply=reply.text, turn_id=str(msg.id))
         return TurnOutcome(key, ran.sandbox if ran else "", result)
 
     def session_env(self, key: ConversationKey, home: str) -> dict[str, str]:
         return session_env(key, home)
 
-    async def heartbeat_once(self, agent_id: str) -> list[tuple[ConversationKey, DispatchResult]]:
+    async def heartbeat_once(self, agent_id: str) -> list[tuple[ConversationKey, TurnResult]]:
         return await self.heartbeats.once(agent_id)
 
     async def run_heartbeats(self) -> None:

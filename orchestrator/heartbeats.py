@@ -15,7 +15,7 @@ from cellgate.errors import CellgateError
 from cellgate.models import ConversationKey
 from orchestrator.agents import Agents
 from orchestrator.config import HeartbeatSettings
-from orchestrator.harnesses.base import DispatchResult
+from orchestrator.harnesses.base import TurnResult
 from orchestrator.memory import heartbeat_targets
 from orchestrator.runner import TurnRunner, conversation_key
 from orchestrator.store.views import SessionStore
@@ -40,7 +40,7 @@ class Heartbeats:
         self.runner = runner
         self.clock = clock
 
-    async def once(self, agent_id: str) -> list[tuple[ConversationKey, DispatchResult]]:
+    async def once(self, agent_id: str) -> list[tuple[ConversationKey, TurnResult]]:
         """One heartbeat in every live session of the agent, or in `__heartbeat__` if none."""
         rt = self.agents.runnable(agent_id)
         prompt = (rt.config.heartbeat or HeartbeatSettings(every_minutes=60)).prompt
@@ -49,7 +49,7 @@ class Heartbeats:
             await asyncio.to_thread(self.store.get_conversation, s.conversation_id) for s in live
         ]
         keys = list(dict.fromkeys(conversation_key(c) for c in convs if c is not None))
-        done: list[tuple[ConversationKey, DispatchResult]] = []
+        done: list[tuple[ConversationKey, TurnResult]] = []
         for target in heartbeat_targets(agent_id, keys):
             conv = await asyncio.to_thread(self.store.upsert_conversation, target.conversation)
             async with self.loop.conversation_lock(conv.id):

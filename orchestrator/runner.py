@@ -11,21 +11,27 @@ bounded map (`Outcomes`), taken once.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from cellgate.errors import CellgateError, TurnTimeout
-from cellgate.models import ConversationKey, OutboundMessage
+from cellgate.models import ConversationKey
 from orchestrator.admission import SandboxGate
 from orchestrator.agents import AgentRuntime, Agents
 from orchestrator.bounded import LruMap
 from orchestrator.bridge import BridgeScope, BridgeServer, install_client
 from orchestrator.config import GatewaySettings
 from orchestrator.delivery import GatewayOutbox
-from orchestrator.harnesses.base import DispatchResult, SessionContext
+from orchestrator.harnesses.base import (
+    HistoryEntry,
+    SentMessage,
+    SessionContext,
+    TurnRequest,
+    TurnResult,
+)
 from orchestrator.memory import compose_claude_md, write_session_files
 from orchestrator.store import Conversation, Message, MessageId, SessionId
 from orchestrator.store.views import SandboxStore
@@ -49,7 +55,7 @@ class Outcome:
     """What the turn that answered a message left for a caller waiting on it."""
 
     sandbox: str
-    result: DispatchResult | None
+    result: TurnResult | None
     error: CellgateError | None
 
 
@@ -145,7 +151,7 @@ class TurnRunner:
         session_id: SessionId,
         text: str,
         sandbox: list[str],
-    ) -> DispatchResult:
+    ) -> TurnResult:
         """One harness turn in the conversation's verified sandbox, with its bridge open."""
         assert rt.sandboxes is not None
         key = conversation_key(conv)
@@ -167,22 +173,25 @@ class TurnRunner:
                 self.gate.settled(conv.id)
         paths = prepared.paths
         await asyncio.to_thread(install_client, paths.bridge_dir)
-        await self.bridge.open(
-            BridgeScope.for_conversation(
-                key,
-                session_id,
-                paths,
-                isolated=rt.started_isolated,
-                archive_enabled=not rt.config.disable_archive,
-            )
+        scope = BridgeScope.for_conversation(
+            key,
+            session_id,
+            paths,
+            isolated=rt.started_isolated,
+            archive_enabled=not rt.config.disable_archive,
         )
+        await self.bridge.open(scope)
         system_prompt = await asyncio.to_thread(self.compose, rt, paths.workspace, paths.chat_dir)
         await asyncio.to_thread(write_session_files, paths.home_dir, system_prompt)
-        meta = {
-            "resume": await asyncio.to_thread(load_session_id, paths.chat_dir),
-            "system_prompt": system_prompt,
-            "history": await asyncio.to_thread(recent_history, paths.chat_dir),
-        }
+        request = TurnRequest(
+            prompt=text,
+            system_prompt=system_prompt,
+            history=HistoryEntry.parse_many(
+                await asyncio.to_thread(recent_history, paths.chat_dir)
+            ),
+            resume_id=await asyncio.to_thread(load_session_id, paths.chat_dir),
+            tools=self.bridge.handlers.definitions(scope),
+        )
         ctx = SessionContext(
             conversation=key,
             session_key=session_id,
@@ -195,16 +204,13 @@ class TurnRunner:
         try:
             async with asyncio.timeout(timeout):
                 await rt.harness.ensure_session(ctx)
-                result = await rt.harness.dispatch(ctx, text, meta)
+                result = await rt.harness.dispatch(ctx, request)
         except TimeoutError as exc:
             raise TurnTimeout(timeout) from exc
         sent = self.outbox.pending.take(conv.id)
         if sent:
-            result = DispatchResult(
-                ok=result.ok,
-                reply=result.reply,
-                turn_id=result.turn_id,
-                meta={**result.meta, "messages": [sent_view(m) for m in sent]},
+            result = dataclasses.replace(
+                result, messages_sent=tuple(SentMessage.of(m) for m in sent)
             )
         return result
 
@@ -226,7 +232,7 @@ class TurnRunner:
         role: str,
         text: str,
         message_id: MessageId | None,
-        result: DispatchResult,
+        result: TurnResult,
     ) -> None:
         """D3: the transcript and the harness session id, after every turn."""
         assert rt.sandboxes is not None
@@ -247,15 +253,4 @@ class TurnRunner:
                 },
             ],
         )
-        harness_sid = result.meta.get("harness_session_id")
-        save_session_id(chat_dir, session_id, harness_sid if isinstance(harness_sid, str) else None)
-
-
-def sent_view(m: OutboundMessage) -> dict[str, Any]:
-    """A bridge delivery as the API shows it (no host paths)."""
-    out: dict[str, Any] = {"kind": m.kind.value, "text": m.text}
-    if m.file_name:
-        out["file_name"] = m.file_name
-    if m.extra:
-        out["extra"] = dict(m.extra)
-    return out
+        save_session_id(chat_dir, session_id, result.harness_session_id)

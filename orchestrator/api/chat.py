@@ -68,7 +68,7 @@ class MessageOut(BaseModel):
             reply=r.reply,
             turn_id=r.turn_id,
             conversation=outcome.conversation.dir_name,
-            meta=dict(r.meta),
+            meta=r.meta,
         )
 
 

@@ -9,10 +9,12 @@
     await server.close(scope.scope_key)              # when the sandbox is removed
 
 Modules: `scope` (what a socket stands for), `server` (the socket and its
-protocol), `tools` (the registry and the standard tools), `outbox` (where
-messages go), `safefiles` (opening sandbox-controlled files as root), `install`.
+protocol), `catalogue` (every tool's name, description and schema), `tools`
+(the registry and the standard tools), `outbox` (where messages go),
+`safefiles` (opening sandbox-controlled files as root), `install`.
 """
 
+from orchestrator.bridge.catalogue import BUILTIN_TOOLS, ToolDef
 from orchestrator.bridge.install import install_client
 from orchestrator.bridge.outbox import ChannelOutbox, Outbox, PendingOutbox, outbound_key
 from orchestrator.bridge.scope import BridgeScope, ScopeState
@@ -29,6 +31,7 @@ from orchestrator.bridge.tools import (
 )
 
 __all__ = [
+    "BUILTIN_TOOLS",
     "SOCKET_NAME",
     "BridgeLimits",
     "BridgeRefusal",
@@ -43,6 +46,7 @@ __all__ = [
     "ScopeState",
     "StoreRefusals",
     "ToolCall",
+    "ToolDef",
     "ToolHandlers",
     "ToolSpec",
     "install_client",

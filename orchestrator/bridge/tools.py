@@ -15,6 +15,9 @@ decision and does the I/O itself:
     task_memory_append     M6 M8  policies.memory.memory_target / memory_content
     narrate                T4     policies.tools.narrate_target
     list_tools             T1 T2  what this scope is offered, with input schemas
+
+Their names, descriptions and argument schemas are not written here: they are
+`catalogue.BUILTIN_TOOLS`, the one source every client's view derives from.
 """
 
 from __future__ import annotations
@@ -23,13 +26,14 @@ import asyncio
 import logging
 import os
 from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
 from cellgate.errors import BridgeError, CellgateError, NotFound, PolicyDenied, StateConflict
 from cellgate.models import OutboundKind, OutboundMessage
 from orchestrator.bridge import safefiles
+from orchestrator.bridge.catalogue import BUILTIN_TOOLS, ToolDef
 from orchestrator.bridge.outbox import Outbox, outbound_key
 from orchestrator.bridge.scope import BridgeScope, ScopeState
 from orchestrator.store import Share, ShareId, Store
@@ -96,20 +100,22 @@ Handler = Callable[[ToolCall], Awaitable[JSONObject]]
 
 @dataclass(frozen=True, slots=True)
 class ToolSpec:
-    """A registered tool. `module` is its MCP module (T1); None for the bridge's own tools."""
+    """A registered tool: its catalogue entry and its handler."""
 
-    name: str
+    definition: ToolDef
     handler: Handler
-    description: str = ""
-    input_schema: JSONObject = field(default_factory=lambda: {"type": "object", "properties": {}})
-    module: str | None = None
+
+    @property
+    def name(self) -> str:
+        return self.definition.name
+
+    @property
+    def module(self) -> str | None:
+        """Its MCP module (T1); None for the bridge's own tools."""
+        return self.definition.module
 
     def describe(self) -> JSONObject:
-        return {
-            "name": self.name,
-            "description": self.description,
-            "input_schema": self.input_schema,
-        }
+        return self.definition.describe()
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,10 +165,14 @@ class ToolHandlers:
         input_schema: JSONObject | None = None,
         module: str | None = None,
     ) -> None:
-        if name in self._tools:
-            raise ValueError(f"bridge tool {name!r} is already registered")
+        """Register a tool that is not in the catalogue (a channel module's own)."""
         schema = input_schema or {"type": "object", "properties": {}}
-        self._tools[name] = ToolSpec(name, handler, description, schema, module)
+        self.add(ToolDef(name, description, schema, module), handler)
+
+    def add(self, definition: ToolDef, handler: Handler) -> None:
+        if definition.name in self._tools:
+            raise ValueError(f"bridge tool {definition.name!r} is already registered")
+        self._tools[definition.name] = ToolSpec(definition, handler)
 
     def names(self) -> tuple[str, ...]:
         return tuple(self._tools)
@@ -180,6 +190,10 @@ class ToolHandlers:
     def offered(self, scope: BridgeScope) -> list[ToolSpec]:
         """T1/T2: the tools this scope may call, in registration order."""
         return [s for s in self._tools.values() if self._offer(s, scope) is None]
+
+    def definitions(self, scope: BridgeScope) -> tuple[ToolDef, ...]:
+        """What a turn in this scope is offered (`TurnRequest.tools`), as `list_tools` shows it."""
+        return tuple(s.definition for s in self.offered(scope))
 
     async def call(
         self, scope: BridgeScope, state: ScopeState, call_id: str, tool: str, args: JSONObject
@@ -208,23 +222,6 @@ class ToolHandlers:
             raise
 
 
-def _schema(required: tuple[str, ...], **props: str) -> JSONObject:
-    return {
-        "type": "object",
-        "properties": {
-            name: {"type": ["string", "integer"] if name.endswith("_id") else "string",
-                   "description": text}
-            for name, text in props.items()
-        },
-        "required": list(required),
-        "additionalProperties": False,
-    }  # fmt: skip
-
-
-_CHAT = "omit: this conversation's chat (the only one allowed)"
-_THREAD = "omit: this conversation's thread"
-
-
 class BuiltinTools:
     """The standard bridge tools over an outbox and the store.
 
@@ -248,87 +245,22 @@ class BuiltinTools:
         self._handlers: ToolHandlers | None = None
 
     def install(self, handlers: ToolHandlers) -> ToolHandlers:
+        """Register every standard tool under its catalogue entry (names, schemas: `catalogue`)."""
         self._handlers = handlers
-        reg = handlers.register
-        reg(
-            "reply",
-            self.reply,
-            description="Send a text message into this conversation's chat.",
-            input_schema=_schema(
-                ("text",),
-                text="the message",
-                chat_id=_CHAT,
-                thread_id=_THREAD,
-                reply_to="message id to reply to",
-            ),
-        )
-        reg(
-            "react",
-            self.react,
-            description="React with an emoji to a message in this chat.",
-            input_schema=_schema(
-                ("emoji", "message_id"),
-                emoji="one emoji",
-                message_id="the message to react to",
-                chat_id=_CHAT,
-            ),
-        )
-        reg(
-            "edit",
-            self.edit,
-            description="Edit a message the bot sent in this chat.",
-            input_schema=_schema(
-                ("message_id", "text"),
-                message_id="the bot's message",
-                text="the new text",
-                chat_id=_CHAT,
-            ),
-        )
-        reg(
-            "send_file",
-            self.send_file,
-            module="share-file",
-            description="Send a file from this conversation's media directory into its chat.",
-            input_schema=_schema(
-                ("path",),
-                path="a file in the media directory (absolute "
-                "/workspace/media/... or relative to it)",
-                caption="optional",
-            ),
-        )
-        reg(
-            "share_file",
-            self.share_file,
-            module="share-file",
-            description="Make a share link for a file in this conversation's media directory.",
-            input_schema=_schema(("path",), path="a file in the media directory"),
-        )
-        reg(
-            "revoke_share",
-            self.revoke_share,
-            module="share-file",
-            description="Revoke a share this session made, by its token or id.",
-            input_schema=_schema(("share",), share="the share token or its id (sh_...)"),
-        )
-        reg(
-            "task_memory_append",
-            self.task_memory_append,
-            description="Append a note to this conversation's MEMORY.md (default) or USER.md.",
-            input_schema=_schema(
-                ("text",),
-                text="the note; never a key, token or password",
-                target="MEMORY.md (default) or USER.md",
-            ),
-        )
-        reg(
-            "narrate",
-            self.narrate,
-            module="narrate",
-            description="Tell this conversation what the task is doing.",
-            input_schema=_schema(("text",), text="a short progress note"),
-        )
-        reg("list_tools", self.list_tools, description="The tools this session may call.")
-        return handlers  # fmt: skip
+        own: dict[str, Handler] = {
+            "reply": self.reply,
+            "react": self.react,
+            "edit": self.edit,
+            "send_file": self.send_file,
+            "share_file": self.share_file,
+            "revoke_share": self.revoke_share,
+            "task_memory_append": self.task_memory_append,
+            "narrate": self.narrate,
+            "list_tools": self.list_tools,
+        }
+        for definition in BUILTIN_TOOLS:
+            handlers.add(definition, own[definition.name])
+        return handlers
 
     # -- P1: reply, react, edit ---------------------------------------------
 

@@ -18,8 +18,8 @@ Presets:
 The session id comes back from code running in the sandbox, so it is read
 only from the top level of the output and used only if it looks like an id
 (no leading `-`, no spaces). Resuming: `dispatch` takes a saved id from
-`meta["resume"]` when this process knows none for the conversation (D3), and
-reports the id in `DispatchResult.meta["harness_session_id"]`. A resume that
+`TurnRequest.resume_id` when this process knows none for the conversation
+(D3), and reports the id in `TurnResult.harness_session_id`. A resume that
 fails is retried once from cold.
 """
 
@@ -29,12 +29,12 @@ import json
 import logging
 import re
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from orchestrator import config
-from orchestrator.harnesses.base import DispatchResult, Harness, SessionContext
+from orchestrator.harnesses.base import ExecDetail, Harness, SessionContext, TurnRequest, TurnResult
 from orchestrator.harnesses.templates import (
     PLACEHOLDER,
     PRESETS,
@@ -238,12 +238,11 @@ class CommandHarness(Harness):
                 parsed = ParsedOutput(False, parsed.reply, parsed.session_id)
         return parsed, result.exit_code, result.timed_out, result.stderr
 
-    async def dispatch(
-        self, ctx: SessionContext, message: str, meta: Mapping[str, Any]
-    ) -> DispatchResult:
+    async def dispatch(self, ctx: SessionContext, request: TurnRequest) -> TurnResult:
         turn_id = uuid.uuid4().hex
+        message = request.prompt
         key = self._key(ctx)
-        saved = None if key in self._reset else valid_session_id(meta.get("resume"))
+        saved = None if key in self._reset else valid_session_id(request.resume_id)
         prior = self._sessions.get(key) or saved
         parsed, code, timed_out, stderr = await self._run(ctx, message, prior)
         resumed = prior is not None and self.template.resume_argv is not None
@@ -265,20 +264,17 @@ class CommandHarness(Harness):
         if not parsed.ok and not reply.strip():
             tail = stderr.decode("utf-8", "replace").strip()[-2000:]
             reply = f"the agent command failed (exit {code})" + (f": {tail}" if tail else "")
-        return DispatchResult(
+        return TurnResult(
             ok=parsed.ok,
             reply=reply,
             turn_id=turn_id,
-            meta={
-                "harness_session_id": self._sessions.get(key),
-                "exit_code": code,
-                "timed_out": timed_out,
-                "resumed": resumed,
-                "resume_failed": retried,
-            },
+            harness_session_id=self._sessions.get(key),
+            detail=ExecDetail(
+                exit_code=code, timed_out=timed_out, resumed=resumed, resume_failed=retried
+            ),
         )
 
     async def reset_session(self, ctx: SessionContext) -> None:
-        """Forget the session id; the next turn starts a new session (it ignores `resume`)."""
+        """Forget the session id; the next turn starts a new session (it ignores `resume_id`)."""
         self._sessions.pop(self._key(ctx), None)
         self._reset.add(self._key(ctx))

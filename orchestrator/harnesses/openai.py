@@ -10,17 +10,20 @@ tool the model calls runs inside the conversation's sandbox through
   (`/workspace/chats/<dir>`) and its media directory; any other path is
   refused before anything runs, and the I/O itself is done by `head` / `cat`
   in the sandbox, so the sandbox's own mounts decide the rest (P5, S3, L6);
-- the bridge tools (`reply`, `send_file`, `share_file`, `task_memory_append`,
-  `narrate`), run as `python3 /run/cellgate/cellgate-tool NAME -` with the
-  JSON arguments on stdin; the gateway decides them by the socket the call
-  arrives on (P1, P5, M6, T4). They are an injected, optional set.
+- the bridge tools the turn is offered (`TurnRequest.tools`: the scope's
+  tools from the bridge's catalogue, T1, T2, with their names, descriptions
+  and schemas as the catalogue writes them), run as
+  `python3 /run/cellgate/cellgate-tool NAME -` with the JSON arguments on
+  stdin; the gateway decides them by the socket the call arrives on (P1, P5,
+  M6, T4). `bridge_tools=False` offers none of them.
 
-A turn: the system prompt (the composed CLAUDE.md, `meta["system_prompt"]`),
+A turn: the system prompt (the composed CLAUDE.md, `TurnRequest.system_prompt`),
 the session's history and the new message go to the model; tool calls run
 and their results go back, until the model answers without a tool call or
 `max_steps` requests were made. The history is kept per session in memory;
-after a restart, `meta["history"]` (user/assistant texts from the
-conversation's transcript) seeds it and `meta["resume"]` restores the session id (D3).
+after a restart, `TurnRequest.history` (user/assistant texts from the
+conversation's transcript) seeds it and `TurnRequest.resume_id` restores the
+session id (D3).
 """
 
 from __future__ import annotations
@@ -29,7 +32,6 @@ import json
 import logging
 import os
 import posixpath
-import re
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -40,17 +42,23 @@ import httpx
 from pydantic import SecretStr
 
 from orchestrator import config
-from orchestrator.harnesses.base import DispatchResult, Harness, SessionContext
+from orchestrator.bridge.catalogue import ToolDef
+from orchestrator.harnesses.base import (
+    Harness,
+    HistoryEntry,
+    ModelDetail,
+    SessionContext,
+    TurnRequest,
+    TurnResult,
+)
 from orchestrator.harnesses.command import valid_session_id
 from sandbox.backends.base import ExecResult
 from sandbox.mountplan import BRIDGE, WORKSPACE
 
 __all__ = [
     "BRIDGE_CLIENT",
-    "BRIDGE_TOOLS",
     "SANDBOX_TOOLS",
     "OpenAIHarness",
-    "ToolSpec",
     "writable_roots",
 ]
 
@@ -59,25 +67,6 @@ logger = logging.getLogger(__name__)
 MAX_TOOL_RESULT_CHARS = 16_000
 MAX_READ_BYTES = 256 * 1024
 BRIDGE_CLIENT = str(BRIDGE / "cellgate-tool")
-
-
-@dataclass(frozen=True, slots=True)
-class ToolSpec:
-    """One function offered to the model (Chat Completions `tools[]` entry)."""
-
-    name: str
-    description: str
-    parameters: Mapping[str, Any]
-
-    def schema(self) -> dict[str, Any]:
-        return {
-            "type": "function",
-            "function": {
-                "name": self.name,
-                "description": self.description,
-                "parameters": dict(self.parameters),
-            },
-        }
 
 
 def _object(props: Mapping[str, Any], required: Sequence[str]) -> dict[str, Any]:
@@ -91,20 +80,20 @@ def _object(props: Mapping[str, Any], required: Sequence[str]) -> dict[str, Any]
 
 _STR = {"type": "string"}
 
-SANDBOX_TOOLS: tuple[ToolSpec, ...] = (
-    ToolSpec(
+SANDBOX_TOOLS: tuple[ToolDef, ...] = (
+    ToolDef(
         "shell",
         "Run a shell command (/bin/sh -c) in your sandbox; returns its output and exit status.",
         _object({"command": {**_STR, "description": "the command line"}}, ["command"]),
     ),
-    ToolSpec(
+    ToolDef(
         "read_file",
         "Read a text file from this conversation's directory or its media directory.",
         _object(
             {"path": {**_STR, "description": "absolute, or relative to the chat dir"}}, ["path"]
         ),
     ),
-    ToolSpec(
+    ToolDef(
         "write_file",
         "Write (replace) a text file in this conversation's directory or its media directory.",
         _object(
@@ -114,36 +103,6 @@ SANDBOX_TOOLS: tuple[ToolSpec, ...] = (
             },
             ["path", "content"],
         ),
-    ),
-)
-
-BRIDGE_TOOLS: tuple[ToolSpec, ...] = (
-    ToolSpec(
-        "reply",
-        "Send a message to this chat now, before your final answer.",
-        _object({"text": _STR}, ["text"]),
-    ),
-    ToolSpec(
-        "send_file",
-        "Send a file from this conversation's media directory to this chat.",
-        _object({"path": _STR, "caption": _STR}, ["path"]),
-    ),
-    ToolSpec(
-        "share_file",
-        "Share a file from this conversation's media directory as a link.",
-        _object({"path": _STR}, ["path"]),
-    ),
-    ToolSpec(
-        "task_memory_append",
-        "Append a note to this conversation's MEMORY.md (default) or USER.md.",
-        _object(
-            {"text": _STR, "target": {"type": "string", "enum": ["MEMORY.md", "USER.md"]}}, ["text"]
-        ),
-    ),
-    ToolSpec(
-        "narrate",
-        "Speak a short progress line into this conversation.",
-        _object({"text": _STR}, ["text"]),
     ),
 )
 
@@ -197,7 +156,7 @@ class OpenAIHarness(Harness):
         max_steps: int = 8,
         request_timeout_seconds: float = 60.0,
         tool_timeout_seconds: float = 60.0,
-        bridge_tools: Sequence[ToolSpec] = BRIDGE_TOOLS,
+        bridge_tools: bool = True,
         temperature: float | None = None,
         max_history_messages: int = 200,
         system_prompt: str = "",
@@ -218,8 +177,7 @@ class OpenAIHarness(Harness):
         self.max_history = max_history_messages
         self.system_prompt = system_prompt
         self._transport = transport
-        self.tools: tuple[ToolSpec, ...] = (*SANDBOX_TOOLS, *bridge_tools)
-        self._bridge = frozenset(t.name for t in bridge_tools)
+        self.bridge_tools = bridge_tools
         self._sessions: dict[Any, _Session] = {}
         self._reset: set[Any] = set()
         self._handlers: dict[str, Callable[[SessionContext, dict[str, Any]], Any]] = {
@@ -239,7 +197,7 @@ class OpenAIHarness(Harness):
             max_steps=cfg.max_steps,
             request_timeout_seconds=cfg.request_timeout_seconds,
             tool_timeout_seconds=cfg.tool_timeout_seconds,
-            bridge_tools=BRIDGE_TOOLS if cfg.bridge_tools else (),
+            bridge_tools=cfg.bridge_tools,
             temperature=cfg.temperature,
             max_history_messages=cfg.max_history_messages,
         )
@@ -256,14 +214,14 @@ class OpenAIHarness(Harness):
             s = self._sessions[key] = _Session(uuid.uuid4().hex, [])
         return s
 
-    def _start(self, ctx: SessionContext, meta: Mapping[str, Any]) -> _Session:
+    def _start(self, ctx: SessionContext, request: TurnRequest) -> _Session:
         """The session for this turn; its first turn adopts a saved id and history (D3)."""
         s = self._session(ctx)
         if not s.started:
             s.started = True
             if self._key(ctx) not in self._reset:
-                s.session_id = valid_session_id(meta.get("resume")) or s.session_id
-                s.messages = _seed_history(meta.get("history"))
+                s.session_id = valid_session_id(request.resume_id) or s.session_id
+                s.messages = _seed_history(request.history)
             self._reset.discard(self._key(ctx))
         return s
 
@@ -271,7 +229,7 @@ class OpenAIHarness(Harness):
         return self._session(ctx).session_id
 
     async def reset_session(self, ctx: SessionContext) -> None:
-        """Forget the history and id; the next turn ignores a saved `resume` and `history`."""
+        """Forget the history and id; the next turn ignores a saved `resume_id` and `history`."""
         self._sessions.pop(self._key(ctx), None)
         self._reset.add(self._key(ctx))
 
@@ -293,13 +251,22 @@ class OpenAIHarness(Harness):
         key = self._key_value()
         return text.replace(key, "[key]") if key else text
 
-    async def dispatch(
-        self, ctx: SessionContext, message: str, meta: Mapping[str, Any]
-    ) -> DispatchResult:
+    def tools_for(self, request: TurnRequest) -> tuple[ToolDef, ...]:
+        """The functions offered to the model in this turn: the sandbox's, then the bridge's."""
+        if not self.bridge_tools:
+            return SANDBOX_TOOLS
+        own = {t.name for t in SANDBOX_TOOLS}
+        return (*SANDBOX_TOOLS, *(t for t in request.tools if t.name not in own))
+
+    async def dispatch(self, ctx: SessionContext, request: TurnRequest) -> TurnResult:
         turn_id = uuid.uuid4().hex
-        session = self._start(ctx, meta)
-        system = meta.get("system_prompt")
-        system = system if isinstance(system, str) else self.system_prompt
+        message = request.prompt
+        session = self._start(ctx, request)
+        system = request.system_prompt
+        system = system if system is not None else self.system_prompt
+        tools = self.tools_for(request)
+        schemas = [t.as_openai() for t in tools]
+        bridge = frozenset(t.name for t in tools[len(SANDBOX_TOOLS) :])
         headers = {"Content-Type": "application/json"}
         key = self._key_value()
         if key is not None:
@@ -320,7 +287,7 @@ class OpenAIHarness(Harness):
                         *session.messages,
                         *turn,
                     ],
-                    "tools": [t.schema() for t in self.tools],
+                    "tools": schemas,
                     "tool_choice": "auto",
                 }
                 if self.temperature is not None:
@@ -337,23 +304,25 @@ class OpenAIHarness(Harness):
                 if not calls:
                     self._commit(session, turn)
                     content = answer.get("content")
-                    return DispatchResult(
+                    return TurnResult(
                         ok=True,
                         reply=content if isinstance(content, str) else "",
                         turn_id=turn_id,
-                        meta=self._meta(session, step, tools_called),
+                        harness_session_id=session.session_id,
+                        detail=self._detail(step, tools_called),
                     )
                 for call in calls:
                     name = call["function"]["name"]
                     tools_called.append(name)
-                    result = await self._call_tool(ctx, name, call["function"]["arguments"])
+                    result = await self._call_tool(ctx, name, call["function"]["arguments"], bridge)
                     turn.append({"role": "tool", "tool_call_id": call["id"], "content": result})
         self._commit(session, turn)
-        return DispatchResult(
+        return TurnResult(
             ok=False,
             reply=f"I stopped after {self.max_steps} steps without a final answer.",
             turn_id=turn_id,
-            meta={**self._meta(session, self.max_steps, tools_called), "max_steps": True},
+            harness_session_id=session.session_id,
+            detail=self._detail(self.max_steps, tools_called, max_steps_reached=True),
         )
 
     async def _complete(
@@ -406,13 +375,15 @@ class OpenAIHarness(Harness):
         session.messages.extend(turn)
         session.messages[:] = _trim(session.messages, self.max_history)
 
-    def _meta(self, session: _Session, steps: int, tools: list[str]) -> dict[str, Any]:
-        return {
-            "harness_session_id": session.session_id,
-            "model": self.model,
-            "steps": steps,
-            "tools": list(tools),
-        }
+    def _detail(
+        self,
+        steps: int,
+        tools: list[str],
+        *,
+        max_steps_reached: bool = False,
+        error: str | None = None,
+    ) -> ModelDetail:
+        return ModelDetail(self.model, steps, tuple(tools), max_steps_reached, error)
 
     def _failed(
         self,
@@ -421,17 +392,20 @@ class OpenAIHarness(Harness):
         reason: str,
         steps: int,
         tools: list[str] | None = None,
-    ) -> DispatchResult:
-        return DispatchResult(
+    ) -> TurnResult:
+        return TurnResult(
             ok=False,
             reply=f"The model could not answer: {reason}.",
             turn_id=turn_id,
-            meta={**self._meta(session, steps, tools or []), "error": reason},
+            harness_session_id=session.session_id,
+            detail=self._detail(steps, tools or [], error=reason),
         )
 
     # -- tools -------------------------------------------------------------
 
-    async def _call_tool(self, ctx: SessionContext, name: str, arguments: str) -> str:
+    async def _call_tool(
+        self, ctx: SessionContext, name: str, arguments: str, bridge: frozenset[str]
+    ) -> str:
         try:
             args = json.loads(arguments) if arguments.strip() else {}
         except ValueError:
@@ -441,7 +415,7 @@ class OpenAIHarness(Harness):
         try:
             if name in self._handlers:
                 return str(await self._handlers[name](ctx, args))
-            if name in self._bridge:
+            if name in bridge:
                 return await self._bridge_call(ctx, name, args)
         except _Refused as exc:
             return f"refused: {exc}"
@@ -512,22 +486,9 @@ def _confine(ctx: SessionContext, path: str) -> str:
     )
 
 
-_ROLES = frozenset({"user", "assistant"})
-_WS = re.compile(r"\s+")
-
-
-def _seed_history(raw: object) -> list[dict[str, Any]]:
-    """User/assistant texts from a saved transcript; anything else is dropped."""
-    if not isinstance(raw, Sequence) or isinstance(raw, str | bytes):
-        return []
-    out: list[dict[str, Any]] = []
-    for item in raw:
-        if not isinstance(item, Mapping):
-            continue
-        role, content = item.get("role"), item.get("content", item.get("text"))
-        if role in _ROLES and isinstance(content, str) and _WS.sub("", content):
-            out.append({"role": role, "content": content})
-    return out
+def _seed_history(history: tuple[HistoryEntry, ...]) -> list[dict[str, Any]]:
+    """Chat Completions messages from the saved user/assistant texts."""
+    return [{"role": h.role, "content": h.text} for h in history]
 
 
 def _trim(messages: list[dict[str, Any]], limit: int) -> list[dict[str, Any]]:

@@ -6,10 +6,8 @@ For tests and demos: the reply is the command's output and its exit status.
 from __future__ import annotations
 
 import uuid
-from collections.abc import Mapping
-from typing import Any
 
-from orchestrator.harnesses.base import DispatchResult, Harness, SessionContext
+from orchestrator.harnesses.base import ExecDetail, Harness, SessionContext, TurnRequest, TurnResult
 
 MAX_REPLY_CHARS = 16_000
 
@@ -21,13 +19,11 @@ class ShellHarness(Harness):
     async def ensure_session(self, ctx: SessionContext) -> str:
         return ctx.session_key
 
-    async def dispatch(
-        self, ctx: SessionContext, message: str, meta: Mapping[str, Any]
-    ) -> DispatchResult:
+    async def dispatch(self, ctx: SessionContext, request: TurnRequest) -> TurnResult:
         turn_id = uuid.uuid4().hex
         result = await ctx.backend.exec(
             ctx.sandbox,
-            ["/bin/sh", "-c", message],
+            ["/bin/sh", "-c", request.prompt],
             env=ctx.env,
             timeout=self.timeout_seconds,
             workdir=ctx.workdir,
@@ -37,11 +33,11 @@ class ShellHarness(Harness):
             out = out[:MAX_REPLY_CHARS] + "\n[output truncated]"
         status = "timed out" if result.timed_out else f"exit {result.exit_code}"
         reply = f"{out}{'' if not out or out.endswith(chr(10)) else chr(10)}[{status}]"
-        return DispatchResult(
+        return TurnResult(
             ok=not result.timed_out,
             reply=reply,
             turn_id=turn_id,
-            meta={"exit_code": result.exit_code, "timed_out": result.timed_out},
+            detail=ExecDetail(exit_code=result.exit_code, timed_out=result.timed_out),
         )
 
     async def reset_session(self, ctx: SessionContext) -> None:
