@@ -56,6 +56,7 @@ from orchestrator.turns import TurnAnswer, TurnLoop
 from policies.tools import session_env_flags
 from sandbox.backends.base import SandboxBackend
 from sandbox.reaper import Reaper
+from sandbox.runtime_check import check_runtimes
 from sandbox.spec import LABEL_APP, LABEL_CONVERSATION, LABEL_MANAGED, LABEL_SPEC_HASH
 
 logger = logging.getLogger(__name__)
@@ -92,6 +93,7 @@ class AgentRuntime:
     app: InstalledApp | None = None
     sandboxes: ConversationSandboxes | None = None
     started_isolated: bool = False
+    unavailable: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,8 +156,20 @@ class Gateway:
         if self._started:
             return
         self._started = True
+        await self.check_runtimes()
         await self.reconcile_sandboxes()
         await self.loop.recover()
+
+    async def check_runtimes(self) -> None:
+        """S2: an agent whose runtime cannot list, stat or write a tmpfs is not served."""
+        wanted = {
+            a: (self.config.gateway.runtime, rt.app.image_id)
+            for a, rt in self.agents.items()
+            if rt.app is not None and rt.sandboxes is not None
+        }
+        for agent_id, verdict in (await check_runtimes(self.backend, wanted)).items():
+            if not verdict.ok:
+                self.agents[agent_id].unavailable = verdict.summary
 
     async def reconcile_sandboxes(self) -> int:
         """Remove this gateway's containers whose conversation is unknown or whose spec is stale."""
@@ -199,6 +213,8 @@ class Gateway:
 
     def _runnable(self, agent_id: str) -> AgentRuntime:
         rt = self.agent(agent_id)
+        if rt.unavailable is not None:
+            raise AgentUnavailable(agent_id, rt.unavailable)
         if rt.sandboxes is None:
             reason = (
                 f"its app {rt.config.app!r} is not installed"
