@@ -215,9 +215,9 @@ __all__ = [
     "PROBE_STEPS",
     "ProbeStep",
     "RuntimeVerdict",
-    "fix_hint",
     "check_runtime",
     "check_runtimes",
+    "fix_hint",
     "judge",
     "probe_script",
 ]
