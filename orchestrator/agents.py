@@ -42,6 +42,7 @@ class AgentRuntime:
     app: InstalledApp | None = None
     sandboxes: ConversationSandboxes | None = None
     started_isolated: bool = False
+    unavailable: str | None = None  # why it cannot take turns (a failed runtime check)
 
 
 def load_runtime(
@@ -91,6 +92,8 @@ class Agents(Mapping[str, AgentRuntime]):
     def runnable(self, agent_id: str) -> AgentRuntime:
         """The agent's runtime if it can take turns now, else `AgentUnavailable` saying why."""
         rt = self.require(agent_id)
+        if rt.unavailable is not None:
+            raise AgentUnavailable(agent_id, rt.unavailable)
         if rt.sandboxes is None:
             reason = (
                 f"its app {rt.config.app!r} is not installed"

@@ -42,6 +42,7 @@ from orchestrator.supervise import supervised
 from orchestrator.turns import TurnLoop
 from sandbox.backends.base import SandboxBackend
 from sandbox.reaper import Reaper
+from sandbox.runtime_check import check_runtimes
 
 __all__ = ["AgentRuntime", "Gateway", "TurnOutcome", "build_harness"]
 
@@ -117,8 +118,20 @@ class Gateway:
         if self._started:
             return
         self._started = True
+        await self.check_runtimes()
         await self.sandboxes.reconcile()
         await self.loop.recover()
+
+    async def check_runtimes(self) -> None:
+        """S2: an agent whose runtime cannot list, stat or write a tmpfs is not served."""
+        wanted = {
+            a: (self.config.gateway.runtime, rt.app.image_id)
+            for a, rt in self.agents.items()
+            if rt.app is not None and rt.sandboxes is not None
+        }
+        for agent_id, verdict in (await check_runtimes(self.backend, wanted)).items():
+            if not verdict.ok:
+                self.agents[agent_id].unavailable = verdict.summary
 
     def start_background(self, reaper_interval: float = 60.0) -> None:
         """The reaper and the heartbeats, supervised: a failing pass is logged and retried."""

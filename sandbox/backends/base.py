@@ -102,6 +102,21 @@ class SandboxBackend(abc.ABC):
     @abc.abstractmethod
     async def image_facts(self, image: str) -> ImageFacts: ...
 
+    @abc.abstractmethod
+    async def probe(
+        self,
+        runtime: str | None,
+        image: str,
+        argv: Sequence[str],
+        *,
+        run_id: str,
+        timeout: float,  # noqa: ASYNC109 - bounded by the backend
+    ) -> ExecResult:
+        """Run `argv` once in a throwaway hardened container of `runtime`, removed after.
+
+        Its name and labels carry `run_id`; it is not a sandbox (no managed label).
+        """
+
     async def close(self) -> None:  # noqa: B027 - optional hook
         """Release the backend's connections."""
 

@@ -20,7 +20,7 @@ import select
 import socket
 import struct
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,8 +40,8 @@ from sandbox.backends.base import (
     SandboxInfo,
     SandboxNotFound,
 )
-from sandbox.mountplan import EntryKind, identity
-from sandbox.spec import LABEL_SPEC_HASH, SandboxLimits, SandboxSpec
+from sandbox.mountplan import EntryKind, MountPlan, identity
+from sandbox.spec import DEFAULT_UID, LABEL_SPEC_HASH, SandboxLimits, SandboxSpec
 from sandbox.verify import ObservedContainer, ObservedMount
 
 logger = logging.getLogger(__name__)
@@ -66,6 +66,7 @@ RUNSC_HOST_THREADS_PER_TASK = 16
 RUNSC_HOST_THREADS_BASE = 256
 
 DEFAULT_DOCKER_HOST = "unix:///var/run/docker.sock"
+LABEL_PROBE = "io.cellgate.probe"
 
 _STREAM_HEADER = struct.Struct(">BxxxL")
 _KILL_MARKED = (
@@ -210,15 +211,13 @@ class DockerBackend(SandboxBackend):
             self._remove_sync(spec.name)
             return None
         if not attrs["State"]["Running"]:
-            logger.info("starting stopped sandbox %s", spec.name)
-            try:
-                self._client.api.start(attrs["Id"])
-            except docker.errors.APIError as exc:
-                logger.warning("sandbox %s does not start (%s); recreating it", spec.name, exc)
-                self._remove_sync(spec.name)
-                return None
-            refreshed = self._lookup(spec.name)
-            return refreshed
+            # Dead (OOM, a crashed gVisor sentry, killed by hand): a restart may
+            # come back half-broken, so start over; the mounts keep the memory.
+            logger.warning(
+                "sandbox %s is not running (%s); recreating it", spec.name, _death(attrs["State"])
+            )
+            self._remove_sync(spec.name)
+            return None
         return attrs
 
     def _create_sync(self, spec: SandboxSpec) -> dict[str, Any] | None:
@@ -343,6 +342,71 @@ class DockerBackend(SandboxBackend):
             api.exec_start(created["Id"], detach=True)
         except docker.errors.APIError as exc:
             logger.warning("could not kill a timed-out exec in %s: %s", job.container_id[:12], exc)
+
+    # -- runtime probe (sandbox.runtime_check) -----------------------------
+
+    async def probe(
+        self,
+        runtime: str | None,
+        image: str,
+        argv: Sequence[str],
+        *,
+        run_id: str,
+        timeout: float,  # noqa: ASYNC109 - bounded by the engine's wait
+    ) -> ExecResult:
+        name = f"cellgate-probe-{run_id}"
+        return await self._call(
+            f"probe runtime {runtime or 'default'}",
+            lambda: self._probe_sync(runtime, image, list(argv), name, run_id, timeout),
+        )
+
+    def _probe_sync(
+        self,
+        runtime: str | None,
+        image: str,
+        argv: builtins.list[str],
+        name: str,
+        run_id: str,
+        timeout: float,
+    ) -> ExecResult:
+        """A sandbox's hardening (no mounts, no network), `argv` as its command; always removed."""
+        spec = SandboxSpec(
+            name=name,
+            image=image,
+            image_id=image,
+            user=f"{DEFAULT_UID}:{DEFAULT_UID}",
+            env={},
+            networks=(),
+            plan=MountPlan(()),
+            runtime=runtime,
+            workdir="/",
+        )
+        kwargs = {**create_kwargs(spec), "command": argv, "labels": {LABEL_PROBE: run_id}}
+        try:
+            container = self._client.containers.create(**kwargs)
+            container.start()
+            try:
+                status = container.wait(timeout=timeout)
+            except (requests.exceptions.ReadTimeout, requests.exceptions.ConnectionError):
+                if self._lookup(name) is None:
+                    raise
+                return ExecResult(-1, b"", b"", timed_out=True)
+            cap = self._output_cap
+            out = self._client.api.logs(name, stdout=True, stderr=False)[:cap]
+            err = self._client.api.logs(name, stdout=False, stderr=True)[:cap]
+            return ExecResult(int(status.get("StatusCode", -1)), out, err)
+        finally:
+            self._remove_sync(name)
+
+
+def _death(state: Mapping[str, Any]) -> str:
+    """Why a container stopped, from its inspect `State`, for the log."""
+    parts = [f"status {state.get('Status', '?')}", f"exit {state.get('ExitCode', '?')}"]
+    if state.get("OOMKilled"):
+        parts.append("OOM-killed")
+    if state.get("Error"):
+        parts.append(f"error {str(state['Error'])[:200]!r}")
+    return ", ".join(parts)
 
 
 def _probe_unix_socket(host: str) -> None:

@@ -1,6 +1,10 @@
 """A hostile shell in chat A's sandbox, driven through the HTTP endpoint and the shell harness.
 
 Every claim is checked from inside a sandbox, not by reading our own config back.
+Every "cannot see" is preceded, in the same sandbox and the same turn, by a
+positive control (`control`): the shell lists, stats and reads its own chat
+directory, media and home. A sandbox whose `ls` or `stat` is broken (an old
+gVisor: statx fails) then fails the test instead of passing it by accident.
 """
 
 from __future__ import annotations
@@ -30,6 +34,38 @@ def dir_of(live: LiveGateway, chat: str) -> str:
     return ConversationKey(live.agent, "api", chat).dir_name
 
 
+CONTROL_OK = "control-ok-5d1e"
+CONTROL_FAILED = "control-FAILED"
+
+
+def control(live: LiveGateway, chat: str) -> str:
+    """Shell that lists, stats and reads what `chat` owns; prints CONTROL_OK only if all worked."""
+    own = f"/workspace/chats/{dir_of(live, chat)}"
+    return (
+        f"ls -la {own} /workspace/media/ $HOME && "
+        f"stat -c 'stat-ok %F %n' {own} {own}/MEMORY.md $HOME && "
+        f"for d in /workspace/media/*/; do stat -c 'stat-ok %F %n' $d; done && "
+        f"find {own} -maxdepth 1 -name USER.md && "
+        f"cat {own}/MEMORY.md {own}/USER.md >/dev/null && "
+        # split with "" so that a listing of this command line (/proc) does not count
+        f'echo {CONTROL_OK[:8]}""{CONTROL_OK[8:]} || '
+        f'echo {CONTROL_FAILED[:8]}""{CONTROL_FAILED[8:]}; '
+    )
+
+
+def assert_control(live: LiveGateway, chat: str, reply: str) -> None:
+    """The positive control ran and saw what it must: a listing of its own files, real stats."""
+    own = f"/workspace/chats/{dir_of(live, chat)}"
+    assert CONTROL_OK in reply, f"the positive control failed in chat {chat}:\n{reply}"
+    assert CONTROL_FAILED not in reply
+    assert re.search(r"^[-rwx]{10}.* MEMORY\.md$", reply, re.M), reply  # ls -la of its dir
+    assert re.search(r"^[-rwx]{10}.* USER\.md$", reply, re.M), reply
+    assert f"stat-ok directory {own}\n" in reply
+    assert re.search(rf"^stat-ok regular (empty )?file {re.escape(own)}/MEMORY\.md$", reply, re.M)
+    assert re.search(r"^stat-ok directory /workspace/media/api-[^/]+/$", reply, re.M), reply
+    assert f"{own}/USER.md\n" in reply  # find
+
+
 @pytest.fixture(scope="module")
 def seeded(live: LiveGateway) -> LiveGateway:
     """Chat A leaves traces everywhere it can write: memory, media, home, /tmp, a process."""
@@ -46,20 +82,48 @@ def seeded(live: LiveGateway) -> LiveGateway:
 
 
 def test_M1_S3_chat_sees_only_its_own_conversation(seeded: LiveGateway) -> None:
-    reply = seeded.run(B, "echo /workspace/chats/* /workspace/media/*")
-    assert dir_of(seeded, B) in reply
-    assert dir_of(seeded, A) not in reply
-    assert "api-" in reply  # its own media dir
+    reply = seeded.run(
+        B,
+        control(seeded, B) + "ls -la /workspace/chats /workspace/media; "
+        "echo /workspace/chats/* /workspace/media/*",
+    )
+    assert_control(seeded, B, reply)
+    listed = reply.split(CONTROL_OK, 1)[1]
+    assert listed.count(dir_of(seeded, B)) == 2  # ls and the glob both see its own
+    assert dir_of(seeded, A) not in listed
+    media = re.findall(r"/workspace/media/(api-[0-9a-f]+)", listed)
+    assert len(media) == 1 and listed.count(media[0]) == 2  # its own media dir, once each
+
+
+def test_S2_S3_tools_work_in_own_paths(seeded: LiveGateway) -> None:
+    """The probe itself: ls, stat, find and python3 file I/O work in the chat's own paths."""
+    own = f"/workspace/chats/{dir_of(seeded, B)}"
+    reply = seeded.run(
+        B,
+        control(seeded, B) + f"echo tools > {own}/t.txt && ls -la {own}/t.txt && "
+        f"stat -c '%s %F' {own}/t.txt && find {own} -name t.txt && "
+        f"python3 -c \"import os; p='{own}/py.txt'; open(p,'w').write('py-io'); "
+        f"print(open(p).read(), sorted(os.listdir('{own}')))\"",
+    )
+    assert_control(seeded, B, reply)
+    assert "6 regular file" in reply and f"{own}/t.txt\n" in reply
+    assert "py-io [" in reply and "'t.txt'" in reply and "'MEMORY.md'" in reply
 
 
 def test_S3_M1_chat_b_finds_nothing_of_chat_a(seeded: LiveGateway) -> None:
+    own = f"/workspace/chats/{dir_of(seeded, B)}"
+    theirs = f"/workspace/chats/{dir_of(seeded, A)}"
     reply = seeded.run(
         B,
-        f"grep -rl {MARK} / --exclude-dir=proc --exclude-dir=sys 2>/dev/null; "
-        f"cat /workspace/chats/{dir_of(seeded, A)}/MEMORY.md 2>&1; echo checked",
+        control(seeded, B) + f"echo bob-own-marker-2c9 > {own}/bob.txt; "
+        f"grep -rl -e {MARK} -e bob-own-marker-2c9 / --exclude-dir=proc --exclude-dir=sys "
+        f"2>/dev/null; cat {theirs}/MEMORY.md 2>&1; stat {theirs} 2>&1; ls {theirs} 2>&1; "
+        "echo checked",
     )
-    assert MARK not in reply.replace(f"grep -rl {MARK}", "")
-    assert "No such file or directory" in reply
+    assert_control(seeded, B, reply)
+    assert f"{own}/bob.txt\n" in reply  # grep does search: it finds chat B's own marker
+    assert MARK not in reply
+    assert reply.count("No such file or directory") == 3
     assert "checked" in reply
 
 
@@ -68,8 +132,10 @@ def test_M3_new_chat_starts_with_empty_memory_not_root_memory(seeded: LiveGatewa
     reply = seeded.run(
         B,
         f"wc -c < /workspace/chats/{d}/MEMORY.md; wc -c < /workspace/chats/{d}/USER.md;"
+        f" {control(seeded, B)}"
         " for f in MEMORY.md USER.md; do test -e /workspace/$f || echo absent; done",
     )
+    assert_control(seeded, B, reply)
     assert re.search(r"^0\n0\n", reply)
     assert "Operator note" not in reply
     assert reply.count("absent") == 2
@@ -78,12 +144,22 @@ def test_M3_new_chat_starts_with_empty_memory_not_root_memory(seeded: LiveGatewa
 def test_S2_chat_b_sees_none_of_chat_a_processes(seeded: LiveGateway) -> None:
     mine = seeded.run(A, "cat /proc/[0-9]*/cmdline 2>/dev/null | tr '\\0' ' '")
     assert "sleep 600" in mine
-    theirs = seeded.run(B, "cat /proc/[0-9]*/cmdline 2>/dev/null | tr '\\0' ' '")
+    theirs = seeded.run(
+        B, control(seeded, B) + "cat /proc/[0-9]*/cmdline 2>/dev/null | tr '\\0' ' '"
+    )
+    assert_control(seeded, B, theirs)
+    assert "cat /proc/" in theirs  # it does read its own processes' command lines
     assert "sleep 600" not in theirs
 
 
 def test_S2_own_tmp_and_home(seeded: LiveGateway) -> None:
-    reply = seeded.run(B, "ls -A /tmp $HOME/.claude; echo $HOME; touch /tmp/b $HOME/b && echo w-ok")
+    reply = seeded.run(
+        B,
+        control(seeded, B) + "touch /tmp/b-own.txt $HOME/.claude/b-own.json && echo w-ok; "
+        "ls -A /tmp $HOME/.claude; echo $HOME",
+    )
+    assert_control(seeded, B, reply)
+    assert "b-own.txt" in reply and "b-own.json" in reply  # the listings do list
     assert "a.txt" not in reply and "a.json" not in reply
     assert "/home/agent" in reply and "w-ok" in reply
 
@@ -106,8 +182,14 @@ def test_S2_own_tmp_and_home(seeded: LiveGateway) -> None:
     ],
 )
 def test_S2_S3_L6_read_only_paths_cannot_be_written(seeded: LiveGateway, target: str) -> None:
-    reply = seeded.run(A, f"echo pwned >> {target} && echo WROTE || echo refused")
-    assert "refused" in reply and "WROTE" not in reply
+    own = f"/workspace/chats/{dir_of(seeded, A)}"
+    reply = seeded.run(
+        A,
+        f"echo fine >> {own}/notes.txt && echo OWN-WROTE; "
+        f"echo pwned >> {target} && echo WROTE || echo refused",
+    )
+    assert "OWN-WROTE" in reply  # writing works where it should, in the same turn
+    assert "refused" in reply and "\nWROTE" not in reply
 
 
 def test_L6_persona_unchanged_on_host(seeded: LiveGateway) -> None:
@@ -119,11 +201,14 @@ def test_L6_persona_unchanged_on_host(seeded: LiveGateway) -> None:
 def test_K1_no_secret_in_environment_or_files(seeded: LiveGateway) -> None:
     reply = seeded.run(
         A,
+        control(seeded, A) + "echo needle-own-9b1 > /tmp/own-needle.txt; "
         "env; echo ---; tr '\\0' '\\n' < /proc/1/environ; echo ---; "
-        f"grep -rIil -e {CANARY_NEEDLE} -e {CONFIG_KEY[:12]} / "
+        f"grep -rIil -e {CANARY_NEEDLE} -e {CONFIG_KEY[:12]} -e needle-own-9b1 / "
         "--exclude-dir=proc --exclude-dir=sys "
         "2>/dev/null; echo end",
     )
+    assert_control(seeded, A, reply)
+    assert "/tmp/own-needle.txt\n" in reply  # the search does find what is there
     assert CANARY_NEEDLE not in reply.lower().replace(f"-e {CANARY_NEEDLE}", "")
     for value in [*CANARIES.values(), *APP_SECRETS.values(), CONFIG_KEY]:
         assert value not in reply
@@ -153,9 +238,12 @@ def test_S2_no_capabilities_no_new_privileges_not_root(seeded: LiveGateway) -> N
 def test_S2_no_docker_socket(seeded: LiveGateway) -> None:
     reply = seeded.run(
         A,
-        "for s in /var/run/docker.sock /run/docker.sock; do test -e $s || echo absent; done; "
+        control(seeded, A)
+        + "for s in /var/run/docker.sock /run/docker.sock; do test -e $s || echo absent; done; "
         "find / -name '*.sock' -not -path '/proc/*' 2>/dev/null; echo end",
     )
+    assert_control(seeded, A, reply)
+    assert "\n/run/cellgate/bridge.sock\n" in reply  # find does find sockets: its bridge
     assert reply.count("absent") == 2
     assert "docker.sock" not in reply.replace("/var/run/docker.sock", "").replace(
         "/run/docker.sock", ""

@@ -7,7 +7,7 @@ that none answers.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 from cellgate.errors import EngineUnavailable
 from sandbox.backends.base import ExecResult, ImageFacts, SandboxBackend, SandboxHandle, SandboxInfo
@@ -42,4 +42,15 @@ class NoEngineBackend(SandboxBackend):
         return []
 
     async def image_facts(self, image: str) -> ImageFacts:
+        raise EngineUnavailable(_WHY)
+
+    async def probe(
+        self,
+        runtime: str | None,
+        image: str,
+        argv: Sequence[str],
+        *,
+        run_id: str,
+        timeout: float,  # noqa: ASYNC109
+    ) -> ExecResult:
         raise EngineUnavailable(_WHY)

@@ -87,14 +87,17 @@ async def test_S5_recreates_sandbox_when_spec_changes(
         docker_client.api.inspect_container(first.container_id)
 
 
-async def test_S5_starts_a_stopped_fresh_sandbox(
+async def test_S5_R7_recreates_a_sandbox_that_is_not_running(
     backend: DockerBackend, spec_factory: Callable[..., Built], docker_client: docker.DockerClient
 ) -> None:
+    """A dead sandbox (OOM, a crashed gVisor sentry, stopped by hand) is not restarted."""
     built = spec_factory()
     first = await backend.ensure(built.spec)
     docker_client.api.stop(first.container_id, timeout=0)
     again = await backend.ensure(built.spec)
-    assert again.container_id == first.container_id
+    assert again.container_id != first.container_id
+    with pytest.raises(docker.errors.NotFound):
+        docker_client.api.inspect_container(first.container_id)
     assert (await backend.inspect(again.name)).running
     code, out, _ = await sh(backend, again, "echo back")
     assert (code, out) == (0, "back\n")

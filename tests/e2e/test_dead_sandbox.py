@@ -1,0 +1,144 @@
+"""A sandbox that died is recreated for the chat's next turn, memory intact (S5, R7).
+
+A fork bomb under gVisor can end the attacker's own sandbox (the sentry dies:
+"urpc method containerManager.WaitPID failed: EOF"); an OOM or a `docker kill`
+ends one under any runtime. The next turn of that chat must find out before it
+runs, get a fresh sandbox with the conversation's mounts, and see its memory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import secrets
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+
+from cellgate.errors import CellgateError
+from cellgate.models import ConversationKey
+from orchestrator.config import load_config
+from orchestrator.gateway import Gateway
+from sandbox.backends.docker import DockerBackend
+from sandbox.spec import sandbox_name
+from tests.e2e.conftest import install_test_app, remove_app_containers
+
+pytestmark = pytest.mark.docker
+
+CHAT = "victim"
+BOMB = "timeout -s KILL 10 sh -c 'b() { b | b & }; b; sleep 30'; echo bombed"
+OOM = 'python3 -c "b = []\nwhile True: b.append(bytearray(64 << 20))"; echo oom-done'
+
+
+@pytest.fixture(params=["runc", "runsc"])
+async def gw(
+    request: pytest.FixtureRequest,
+    tmp_path_factory: pytest.TempPathFactory,
+    docker_client: Any,
+    base_image: str,
+) -> AsyncIterator[Gateway]:
+    runtime = request.param
+    settings: dict[str, Any] = {"limits": {"pids": 64, "memoryMb": 256}, "turnTimeoutSeconds": 40}
+    if runtime == "runsc":
+        if "runsc" not in (docker_client.info().get("Runtimes") or {}):
+            pytest.skip("the engine has no runsc runtime registered")
+        settings["runtime"] = "runsc"
+    app = f"dead{runtime}{secrets.token_hex(3)}"
+    config = install_test_app(
+        tmp_path_factory.mktemp(app), docker_client, base_image, app, settings
+    )
+    gateway = Gateway(load_config(config), DockerBackend.from_env())
+    try:
+        yield gateway
+    finally:
+        await gateway.close()
+        remove_app_containers(docker_client, app)
+
+
+def _agent(gw: Gateway) -> str:
+    return next(iter(gw.agents))
+
+
+def _container(gw: Gateway, docker_client: Any) -> Any:
+    agent = _agent(gw)
+    rt = gw.agents[agent]
+    assert rt.app is not None
+    name = sandbox_name(rt.app.name, ConversationKey(agent, "api", CHAT).digest)
+    return docker_client.containers.get(name)
+
+
+async def _run(gw: Gateway, text: str) -> str:
+    return (await gw.turn(_agent(gw), "api", CHAT, text)).result.reply
+
+
+async def _remember(gw: Gateway, mark: str) -> None:
+    d = ConversationKey(_agent(gw), "api", CHAT).dir_name
+    reply = await _run(
+        gw,
+        f"echo {mark} >> /workspace/chats/{d}/MEMORY.md && "
+        f"for m in /workspace/media/*/; do echo {mark} > $m/kept.txt; done && echo saved",
+    )
+    assert "saved" in reply and "[exit 0]" in reply, reply
+
+
+async def _recalls(gw: Gateway, mark: str) -> str:
+    d = ConversationKey(_agent(gw), "api", CHAT).dir_name
+    reply = await _run(
+        gw,
+        f"ls -la /workspace/chats/{d} && stat -c %s /workspace/chats/{d}/MEMORY.md && "
+        f"grep -c {mark} /workspace/chats/{d}/MEMORY.md /workspace/media/*/kept.txt",
+    )
+    assert "[exit 0]" in reply, reply
+    assert "MEMORY.md" in reply
+    assert reply.count(":1\n") == 2, reply  # grep -c: memory and media each hold the mark
+    return reply
+
+
+async def test_S5_R7_killed_sandbox_is_recreated_with_memory(
+    gw: Gateway, docker_client: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    mark = f"remember-{secrets.token_hex(4)}"
+    await _remember(gw, mark)
+    first = _container(gw, docker_client)
+    first.kill()
+    with caplog.at_level(logging.WARNING, logger="sandbox.backends.docker"):
+        await _recalls(gw, mark)
+    second = _container(gw, docker_client)
+    assert second.id != first.id
+    assert second.attrs["State"]["Running"]
+    assert _recreated_after_death(caplog)
+
+
+def _recreated_after_death(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [
+        r.getMessage()
+        for r in caplog.records
+        if "is not running" in r.getMessage() and "recreating it" in r.getMessage()
+    ]
+
+
+@pytest.mark.parametrize("attack", [BOMB, OOM], ids=["fork-bomb", "oom"])
+async def test_S5_R7_next_turn_after_fork_bomb_or_oom_works_with_memory(
+    gw: Gateway, docker_client: Any, caplog: pytest.LogCaptureFixture, attack: str
+) -> None:
+    """Under runsc both end the attacker's own sandbox (its sentry is OOM-killed)."""
+    mark = f"remember-{secrets.token_hex(4)}"
+    await _remember(gw, mark)
+    first = _container(gw, docker_client)
+    # the attacker's own turn may fail with its sandbox; the next one may not
+    with contextlib.suppress(CellgateError):
+        await _run(gw, attack)
+    first.reload()
+    died = not first.attrs["State"]["Running"]
+    with caplog.at_level(logging.WARNING, logger="sandbox.backends.docker"):
+        await _recalls(gw, mark)
+    second = _container(gw, docker_client)
+    assert second.attrs["State"]["Running"]
+    if died:
+        assert second.id != first.id
+        why = _recreated_after_death(caplog)
+        assert why and "exit" in why[0], why
+    else:
+        assert second.id == first.id  # a sandbox that survived is kept
+    assert "bombed" not in await _run(gw, "echo ok")  # and it keeps working

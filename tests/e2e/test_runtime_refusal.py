@@ -1,0 +1,117 @@
+"""The gateway refuses to serve an agent whose runtime fails the start check (S2).
+
+A runtime the engine does not know, or one whose containers cannot run `ls`
+(an old gVisor), makes that agent unavailable with what failed and how to fix
+it; the gateway itself keeps serving. runc and the installed runsc pass.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from cellgate.errors import AgentUnavailable
+from orchestrator.config import load_config
+from orchestrator.gateway import Gateway
+from sandbox.backends.docker import LABEL_PROBE, DockerBackend
+from tests.e2e.conftest import CONFIG_KEY, install_test_app, remove_app_containers
+from tests.support.served import served_gateway
+
+pytestmark = pytest.mark.docker
+
+
+@pytest.fixture
+def app_with_runtime(
+    request: pytest.FixtureRequest,
+    tmp_path_factory: pytest.TempPathFactory,
+    docker_client: Any,
+    base_image: str,
+) -> Iterator[tuple[Path, str]]:
+    """An installed app whose gateway config names `request.param` as its runtime."""
+    runtime: str = request.param
+    if runtime.startswith("fake-"):
+        runtime = f"cellgate-{runtime}-{secrets.token_hex(4)}"  # the engine never knew it
+    elif runtime not in (docker_client.info().get("Runtimes") or {}):
+        pytest.skip(f"the engine has no {runtime} runtime registered")
+    app = f"rtc{secrets.token_hex(4)}"
+    config = install_test_app(
+        tmp_path_factory.mktemp(app), docker_client, base_image, app, {"runtime": runtime}
+    )
+    try:
+        yield config, runtime
+    finally:
+        remove_app_containers(docker_client, app)
+
+
+def _probes(docker_client: Any) -> set[str]:
+    return {c.name for c in docker_client.containers.list(all=True, filters={"label": LABEL_PROBE})}
+
+
+@pytest.mark.parametrize("app_with_runtime", ["fake-runtime"], indirect=True)
+async def test_S2_unknown_runtime_makes_the_agent_unavailable(
+    app_with_runtime: tuple[Path, str], docker_client: Any
+) -> None:
+    config, runtime = app_with_runtime
+    gw = Gateway(load_config(config), DockerBackend.from_env())
+    try:
+        agent = next(iter(gw.agents))
+        with pytest.raises(AgentUnavailable) as refused:
+            await gw.submit(agent, "api", "someone", "echo hi")
+        text = str(refused.value)
+        assert f"runtime {runtime} failed the start check" in text
+        assert "the engine does not know it" in text
+        assert "gateway.runtime" in text  # how to fix it
+        assert gw.store.conversations() == []  # refused before anything was accepted
+        # Refused again without a new check; the gateway did not crash.
+        with pytest.raises(AgentUnavailable):
+            await gw.submit(agent, "api", "someone", "echo hi")
+    finally:
+        await gw.close()
+
+
+@pytest.mark.parametrize("app_with_runtime", ["runsc-old-test"], indirect=True)
+def test_S2_runtime_whose_ls_fails_is_refused_over_http(
+    app_with_runtime: tuple[Path, str], docker_client: Any
+) -> None:
+    """An old gVisor registered by hand (bookworm's 0.0~20221219): `ls /` fails there."""
+    config, _ = app_with_runtime
+    with served_gateway(config, DockerBackend.from_env) as (url, gw):
+        agent = next(iter(gw.agents))
+        r = httpx.post(
+            f"{url}/v1/agents/{agent}/chats/someone/messages",
+            json={"text": "echo hi"},
+            headers={"Authorization": f"Bearer {CONFIG_KEY}"},
+            timeout=120,
+        )
+    assert r.status_code == 503, r.text
+    error = r.json()["error"]
+    assert error["code"] == "agent_unavailable"
+    assert (
+        "runtime runsc-old-test failed the start check (`ls /` failed (exit 2)" in error["message"]
+    )
+    assert "/var/" not in error["message"]  # the engine's words stay in the log (R6)
+
+
+@pytest.mark.parametrize("app_with_runtime", ["runc", "runsc"], indirect=True)
+async def test_S2_working_runtime_serves_and_leaves_no_probe(
+    app_with_runtime: tuple[Path, str], docker_client: Any
+) -> None:
+    config, runtime = app_with_runtime
+    before = _probes(docker_client)
+    gw = Gateway(load_config(config), DockerBackend.from_env())
+    try:
+        agent = next(iter(gw.agents))
+        outcome = await gw.turn(agent, "api", "someone", "ls -la / && stat -c %F /tmp")
+        assert gw.agents[agent].unavailable is None
+        assert "directory" in outcome.result.reply and "[exit 0]" in outcome.result.reply
+        assert docker_client.containers.get(outcome.sandbox).attrs["HostConfig"]["Runtime"] == (
+            runtime
+        )
+    finally:
+        await gw.close()
+    assert _probes(docker_client) <= before  # the probe container was removed
