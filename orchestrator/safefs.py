@@ -162,6 +162,11 @@ class SafeFile:
     size: int
     allocated: int
     max_size: int
+    nlink: int = 1
+
+    def where(self) -> str | None:
+        """The file's host path by its descriptor (for policy facts; never shown to a user)."""
+        return fd_path(self.fd)
 
     @property
     def sparse(self) -> bool:
@@ -190,6 +195,10 @@ class SafeFile:
             data = data[:limit]
         return data
 
+    def pread(self, size: int, offset: int) -> bytes:
+        """Up to `size` bytes (at most 1 MiB a call) at `offset` of the checked descriptor."""
+        return os.pread(self.fd, max(0, min(size, _CHUNK)), offset)
+
     def read_tail(self, cap: int) -> bytes:
         """The last `cap` bytes (or fewer), by `fstat` now; never more than `cap`."""
         size = os.fstat(self.fd).st_size
@@ -208,8 +217,9 @@ class SafeFile:
         """Copy this file into `directory/name` (new file, never through a link); returns bytes.
 
         Refused before a byte is copied: a sparse file (its holes would cost
-        the host real bytes) or one over `max_size`. The copy stops at
-        `max_size` even if the file grows meanwhile, and is removed on failure.
+        the host real bytes) or one over `max_size`. At most the checked
+        `size` is copied: a file that grows meanwhile is refused and the
+        partial copy removed.
         """
         if self.sparse:
             raise UnsafePath(
@@ -223,17 +233,18 @@ class SafeFile:
                 self.rel, "too_large", f"is {self.size} bytes, over the limit of {self.max_size}"
             )
         _plain_name(name)
+        limit = self.size
         fd = os.open(name, _CREATE, mode, dir_fd=directory.fd)
         try:
             total = 0
             while True:
-                chunk = os.pread(self.fd, min(_CHUNK, self.max_size + 1 - total), total)
+                chunk = os.pread(self.fd, min(_CHUNK, limit + 1 - total), total)
                 if not chunk:
                     break
                 total += len(chunk)
-                if total > self.max_size:
+                if total > limit:
                     raise UnsafePath(
-                        self.rel, "too_large", f"grew past the limit of {self.max_size} bytes"
+                        self.rel, "swapped", "grew while it was being copied; send it again"
                     )
                 _write_all(fd, chunk)
         except BaseException:
@@ -432,6 +443,7 @@ class SafeDir:
                 size=st.st_size,
                 allocated=st.st_blocks * 512,
                 max_size=max_size,
+                nlink=st.st_nlink,
             )
         except BaseException:
             os.close(fd)
