@@ -38,18 +38,21 @@ import logging
 import os
 import secrets
 import stat
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
+from typing import Any, Protocol
 
-from cellgate.errors import UnsafePath
+from cellgate.errors import CellgateError, UnsafePath
 
 __all__ = [
     "READ_CAP_BYTES",
     "LeftOut",
+    "RefusalRecorder",
     "SafeDir",
     "SafeFile",
+    "audit_left_out",
     "fd_path",
     "kind_of",
     "left_out",
@@ -140,6 +143,45 @@ def left_out(where: str, what: str, exc: UnsafePath, report: LeftOut | None = No
     )
     if report is not None:
         report(exc)
+
+
+class RefusalRecorder(Protocol):
+    """The part of the store that records an audit row (`Store.record_refusal`)."""
+
+    def record_refusal(
+        self,
+        *,
+        rule: str,
+        action: str,
+        reason: str,
+        conversation: Any = None,
+        session_id: Any = None,
+        detail: Mapping[str, Any] | None = None,
+    ) -> object: ...
+
+
+def audit_left_out(store: RefusalRecorder, conversation: str, rule: str) -> LeftOut:
+    """A `LeftOut` that records each file left out as an audit row of `conversation`.
+
+    `rule` names the requirement the file served (`D3` transcript, `M5`
+    composed memory, `M3` a new conversation's files). The row holds the
+    path relative to the conversation's directory and the kind found, never
+    a host path. A failing store is logged, never raised into the turn.
+    """
+
+    def report(exc: UnsafePath) -> None:
+        try:
+            store.record_refusal(
+                rule=rule,
+                action="file_left_out",
+                reason=f"{exc.rel!r} {exc.reason}; left out",
+                conversation=conversation,
+                detail={"path": exc.rel, "kind": exc.kind},
+            )
+        except CellgateError as err:
+            logger.warning("audit row for a file left out not recorded: %s", err)
+
+    return report
 
 
 def _write_all(fd: int, data: bytes | memoryview) -> None:
