@@ -368,7 +368,10 @@ def test_left_out_file_is_logged_and_recorded_as_an_audit_row(
             paths.workspace, paths.chat_dir, MemorySettings(), True, False, report=report
         )
     assert "(empty)" in text
-    [row] = store.refusals(conversation_id(key))
+    try:
+        [row] = store.refusals(conversation_id(key))
+    finally:
+        store.close()
     assert (row.rule, row.action) == ("M5", "file_left_out")
     assert "fifo" in row.reason or "named pipe" in row.reason
     assert str(tmp_path) not in row.reason
