@@ -131,6 +131,8 @@ class Spool:
                         d.remove(name)
                 with contextlib.suppress(FileNotFoundError):
                     os.rmdir(token, dir_fd=own.fd)
+        except FileNotFoundError:
+            pass  # nothing was spooled yet
         except OSError as exc:  # the copy stays; log it, the count is freed regardless
             logger.warning("a spooled copy could not be removed: %s", exc.strerror)
         finally:
