@@ -38,18 +38,21 @@ import logging
 import os
 import secrets
 import stat
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
+from typing import Any, Protocol
 
-from cellgate.errors import UnsafePath
+from cellgate.errors import CellgateError, UnsafePath
 
 __all__ = [
     "READ_CAP_BYTES",
     "LeftOut",
+    "RefusalRecorder",
     "SafeDir",
     "SafeFile",
+    "audit_left_out",
     "fd_path",
     "kind_of",
     "left_out",
@@ -142,6 +145,45 @@ def left_out(where: str, what: str, exc: UnsafePath, report: LeftOut | None = No
         report(exc)
 
 
+class RefusalRecorder(Protocol):
+    """The part of the store that records an audit row (`Store.record_refusal`)."""
+
+    def record_refusal(
+        self,
+        *,
+        rule: str,
+        action: str,
+        reason: str,
+        conversation: Any = None,
+        session_id: Any = None,
+        detail: Mapping[str, Any] | None = None,
+    ) -> object: ...
+
+
+def audit_left_out(store: RefusalRecorder, conversation: str, rule: str) -> LeftOut:
+    """A `LeftOut` that records each file left out as an audit row of `conversation`.
+
+    `rule` names the requirement the file served (`D3` transcript, `M5`
+    composed memory, `M3` a new conversation's files). The row holds the
+    path relative to the conversation's directory and the kind found, never
+    a host path. A failing store is logged, never raised into the turn.
+    """
+
+    def report(exc: UnsafePath) -> None:
+        try:
+            store.record_refusal(
+                rule=rule,
+                action="file_left_out",
+                reason=f"{exc.rel!r} {exc.reason}; left out",
+                conversation=conversation,
+                detail={"path": exc.rel, "kind": exc.kind},
+            )
+        except CellgateError as err:
+            logger.warning("audit row for a file left out not recorded: %s", err)
+
+    return report
+
+
 def _write_all(fd: int, data: bytes | memoryview) -> None:
     view = memoryview(data)
     while view:
@@ -162,10 +204,25 @@ class SafeFile:
     size: int
     allocated: int
     max_size: int
+    nlink: int = 1
+
+    def where(self) -> str | None:
+        """The file's host path by its descriptor (for policy facts; never shown to a user)."""
+        return fd_path(self.fd)
 
     @property
     def sparse(self) -> bool:
-        return self.allocated + SPARSE_SLACK_BYTES < self.size
+        """Holes worth more than `SPARSE_SLACK_BYTES`: a copy would cost the host real bytes.
+
+        Both facts are needed: fewer blocks than bytes (which a compressing
+        filesystem shows too) and a hole before the end (`SEEK_HOLE`).
+        """
+        if self.allocated + SPARSE_SLACK_BYTES >= self.size:
+            return False
+        try:
+            return os.lseek(self.fd, 0, os.SEEK_HOLE) < self.size
+        except OSError:  # no SEEK_HOLE here: trust the block count
+            return True
 
     def read(self, cap: int | None = None) -> bytes:
         """With `cap`: at most `cap` bytes from the start, silently truncated.
@@ -190,6 +247,10 @@ class SafeFile:
             data = data[:limit]
         return data
 
+    def pread(self, size: int, offset: int) -> bytes:
+        """Up to `size` bytes (at most 1 MiB a call) at `offset` of the checked descriptor."""
+        return os.pread(self.fd, max(0, min(size, _CHUNK)), offset)
+
     def read_tail(self, cap: int) -> bytes:
         """The last `cap` bytes (or fewer), by `fstat` now; never more than `cap`."""
         size = os.fstat(self.fd).st_size
@@ -208,8 +269,9 @@ class SafeFile:
         """Copy this file into `directory/name` (new file, never through a link); returns bytes.
 
         Refused before a byte is copied: a sparse file (its holes would cost
-        the host real bytes) or one over `max_size`. The copy stops at
-        `max_size` even if the file grows meanwhile, and is removed on failure.
+        the host real bytes) or one over `max_size`. At most the checked
+        `size` is copied: a file that grows meanwhile is refused and the
+        partial copy removed.
         """
         if self.sparse:
             raise UnsafePath(
@@ -223,17 +285,18 @@ class SafeFile:
                 self.rel, "too_large", f"is {self.size} bytes, over the limit of {self.max_size}"
             )
         _plain_name(name)
+        limit = self.size
         fd = os.open(name, _CREATE, mode, dir_fd=directory.fd)
         try:
             total = 0
             while True:
-                chunk = os.pread(self.fd, min(_CHUNK, self.max_size + 1 - total), total)
+                chunk = os.pread(self.fd, min(_CHUNK, limit + 1 - total), total)
                 if not chunk:
                     break
                 total += len(chunk)
-                if total > self.max_size:
+                if total > limit:
                     raise UnsafePath(
-                        self.rel, "too_large", f"grew past the limit of {self.max_size} bytes"
+                        self.rel, "swapped", "grew while it was being copied; send it again"
                     )
                 _write_all(fd, chunk)
         except BaseException:
@@ -432,6 +495,7 @@ class SafeDir:
                 size=st.st_size,
                 allocated=st.st_blocks * 512,
                 max_size=max_size,
+                nlink=st.st_nlink,
             )
         except BaseException:
             os.close(fd)

@@ -3,31 +3,31 @@
 A media path is `<media dir>/<file>`: `api-<session>/...` for an API session,
 `<channel>-<chatId>/...` (or `<channel>-h.<hash>/...`) for a channel chat
 (`ConversationKey.media_dir_name`). The directory is found only through the
-store (a session row, a conversation row); the file is opened with the
-bridge's `O_NOFOLLOW` walk (`orchestrator.bridge.safefiles`), decided by
-`policies.paths` (P5) on facts from the open descriptor, and served from
-that same descriptor.
+store (a session row, a conversation row); the file is opened by
+`orchestrator.bridge.safefiles` (P5 over `orchestrator.safefs`'s `O_NOFOLLOW`
+walk), decided by `policies.paths` on facts from the open descriptor, and
+served from that same descriptor, read in bounded chunks.
 """
 
 from __future__ import annotations
 
 import mimetypes
-import os
-import stat
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 from fastapi.responses import StreamingResponse
 
-from cellgate.errors import CellgateError, PolicyDenied
+from cellgate.errors import CellgateError, PolicyDenied, UnsafePath
 from cellgate.models import ConversationKey
 from orchestrator.api.context import ApiContext
 from orchestrator.api.errors import ApiError
 from orchestrator.api.ids import MediaPath, relative_file
 from orchestrator.bridge.safefiles import SafeFile, open_media_file
+from orchestrator.safefs import SafeDir
 from orchestrator.store import Conversation, Session, SessionId, conversation_id
 from policies.api_access import MediaOwner
+from policies.paths import normalize_request
 
 __all__ = [
     "MAX_SERVE_BYTES",
@@ -116,16 +116,27 @@ def media_dir_of_path(ctx: ApiContext, agent: str, mp: MediaPath) -> MediaDir:
     return MediaDir(mp.dir_name, ctx.workspace(agent) / "media" / mp.dir_name, conv, None)
 
 
-def _exists_nofollow(base: Path, rel: str) -> bool:
-    """Does every component of `rel` exist under `base` (links not followed)?"""
-    current = base
-    for part in rel.split("/"):
-        current = current / part
-        try:
-            os.lstat(current)
-        except OSError:
-            return False
-    return True
+def _exists_nofollow(media: MediaDir, rel: str) -> bool:
+    """Is there anything at `rel` in the media directory (links not followed)?
+
+    A link or non-directory on the way counts as something there: the answer
+    is then a P5 refusal (403), whatever the link points at, so nothing
+    outside the directory can be probed by 403 against 404.
+    """
+    norm = normalize_request(rel, _in_sandbox(media))
+    if not isinstance(norm, str):
+        return True
+    try:
+        with SafeDir.open(media.host, rel="") as d:
+            return d.lstat(norm) is not None
+    except UnsafePath:
+        return True
+    except OSError:
+        return False
+
+
+def _in_sandbox(media: MediaDir) -> str:
+    return f"/workspace/media/{media.name}"
 
 
 def open_in(media: MediaDir, rel: str, *, max_size: int = MAX_SERVE_BYTES) -> SafeFile:
@@ -137,16 +148,16 @@ def open_in(media: MediaDir, rel: str, *, max_size: int = MAX_SERVE_BYTES) -> Sa
 def open_stored(media: MediaDir, rel: str, *, max_size: int = MAX_SERVE_BYTES) -> SafeFile:
     """P5: open a path the store holds (relative, or as the sandbox wrote it) in `media`."""
     try:
-        st = os.lstat(media.host)
+        SafeDir.open(media.host, rel="").close()
     except FileNotFoundError:
         raise _not_found(f"media directory {media.name!r} holds no files yet") from None
-    if not stat.S_ISDIR(st.st_mode):
+    except (UnsafePath, OSError) as exc:
         raise ApiError(403, "forbidden", f"media directory {media.name!r} is not a plain "
-                       "directory; nothing is served", "P5")  # fmt: skip
+                       "directory; nothing is served", "P5") from exc  # fmt: skip
     try:
-        return open_media_file(media.host, rel, f"/workspace/media/{media.name}", max_size=max_size)
+        return open_media_file(media.host, rel, _in_sandbox(media), max_size=max_size)
     except PolicyDenied as exc:
-        if not _exists_nofollow(media.host, rel):
+        if not _exists_nofollow(media, rel):
             raise _not_found(f"{rel!r} does not exist in media directory {media.name!r}") from exc
         raise ApiError(403, "forbidden", exc.reason, exc.rule) from exc
     except CellgateError as exc:
@@ -157,7 +168,7 @@ def open_stored(media: MediaDir, rel: str, *, max_size: int = MAX_SERVE_BYTES) -
 
 def image_type(f: SafeFile) -> str | None:
     """The image type by magic bytes (PNG, JPEG, GIF, WebP), or None."""
-    head = os.pread(f.fd, 16, 0)
+    head = f.pread(16, 0)
     for magic, mime in _IMAGE_MAGIC:
         if head.startswith(magic):
             return mime
@@ -170,7 +181,7 @@ def _chunks(f: SafeFile) -> Iterator[bytes]:
     try:
         offset = 0
         while offset < f.size:
-            chunk = os.pread(f.fd, min(_CHUNK, f.size - offset), offset)
+            chunk = f.pread(min(_CHUNK, f.size - offset), offset)
             if not chunk:
                 break
             offset += len(chunk)

@@ -6,9 +6,10 @@ only, so any image with Python 3.8+ can call the bridge without installing anyth
 
 from __future__ import annotations
 
-import os
 from importlib import resources
 from pathlib import Path
+
+from orchestrator.safefs import SafeDir
 
 __all__ = ["CLIENT_FILES", "install_client"]
 
@@ -16,20 +17,16 @@ CLIENT_FILES = {"cellgate-tool": "cellgate_tool.py", "cellgate-mcp": "cellgate_m
 
 
 def install_client(bridge_dir: Path) -> list[Path]:
-    """Copy both clients into `bridge_dir` (mode 0755), replacing what is there atomically."""
+    """Copy both clients into `bridge_dir` (mode 0755), replacing what is there atomically.
+
+    Through `orchestrator.safefs`: a temporary file beside each, renamed over
+    it between directory descriptors, so a link planted at either name is
+    replaced, never written through; a symlinked `bridge_dir` raises `UnsafePath`.
+    """
     out: list[Path] = []
     package = resources.files("sandbox.client")
-    for name, source in CLIENT_FILES.items():
-        data = package.joinpath(source).read_bytes()
-        dest = bridge_dir / name
-        tmp = bridge_dir / f".{name}.tmp"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC,
-                     0o755)  # fmt: skip
-        try:
-            os.write(fd, data)
-            os.fchmod(fd, 0o755)
-        finally:
-            os.close(fd)
-        os.replace(tmp, dest)
-        out.append(dest)
+    with SafeDir.open(bridge_dir) as d:
+        for name, source in CLIENT_FILES.items():
+            d.write_atomic(name, package.joinpath(source).read_bytes(), mode=0o755)
+            out.append(bridge_dir / name)
     return out

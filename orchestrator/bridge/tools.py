@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,6 +35,7 @@ from orchestrator.bridge import safefiles
 from orchestrator.bridge.catalogue import BUILTIN_TOOLS, ToolDef
 from orchestrator.bridge.outbox import Outbox, outbound_key
 from orchestrator.bridge.scope import BridgeScope, ScopeState
+from orchestrator.bridge.spool import Spool
 from orchestrator.store import Share, ShareId, Store
 from policies import chats, memory, shares
 from policies import tools as tool_policy
@@ -226,8 +226,8 @@ class BuiltinTools:
     """The standard bridge tools over an outbox and the store.
 
     `spool_dir` is a gateway-only directory (never mounted into a sandbox)
-    where `send_file` puts the checked copy of a file it hands to the outbox;
-    the outbox's channel owns that copy afterwards and may delete it once sent.
+    where `send_file` puts the one checked copy of a file it hands to the
+    outbox; the copy is removed when the delivery returns (`bridge.spool`).
     """
 
     def __init__(
@@ -241,6 +241,7 @@ class BuiltinTools:
         self.outbox = outbox
         self.store = store
         self.spool_dir = spool_dir
+        self.spool = Spool(spool_dir)
         self.max_file_bytes = max_file_bytes
         self._handlers: ToolHandlers | None = None
 
@@ -337,22 +338,15 @@ class BuiltinTools:
     async def send_file(self, call: ToolCall) -> JSONObject:
         chat = self._target(call)
         caption = call.text("caption", required=False) or ""
-        key = call.outbound_key()
-        spool = self.spool_dir / key.replace(":", "-")
-
-        def copy() -> tuple[Path, str, int]:
-            with self._open(call) as f:
-                os.makedirs(self.spool_dir, mode=0o700, exist_ok=True)
-                os.makedirs(spool, mode=0o700, exist_ok=True)
-                dest = spool / f.name
-                return dest, f.name, f.copy_to(dest)
-
-        dest, name, size = await asyncio.to_thread(copy)
-        message = self._message(
-            call, chat, OutboundKind.FILE, text=caption, file_path=str(dest), file_name=name
-        )
-        out = await self._deliver(call, message)
-        return {**out, "name": name, "size": size}
+        # R3: one bounded copy, refused if sparse or too large
+        spooled = await self.spool.copy(call.scope.conversation_id, lambda: self._open(call))
+        with spooled:  # removed once delivered, failed or cancelled (the turn ended)
+            path, name = str(spooled.path), spooled.name
+            message = self._message(
+                call, chat, OutboundKind.FILE, text=caption, file_path=path, file_name=name
+            )
+            out = await self._deliver(call, message)
+        return {**out, "name": spooled.name, "size": spooled.size}
 
     async def share_file(self, call: ToolCall) -> JSONObject:
         def check() -> tuple[str, int]:

@@ -51,6 +51,7 @@ class RecordingOutbox:
 
     messages: list[tuple[BridgeScope, OutboundMessage]] = field(default_factory=list)
     file_bytes: list[bytes] = field(default_factory=list)
+    file_modes: list[int] = field(default_factory=list)
     _receipts: dict[str, DeliveryReceipt] = field(default_factory=dict)
 
     async def deliver(self, scope: BridgeScope, message: OutboundMessage) -> DeliveryReceipt:
@@ -59,6 +60,7 @@ class RecordingOutbox:
             return known
         if message.file_path:
             self.file_bytes.append(await asyncio.to_thread(Path(message.file_path).read_bytes))
+            self.file_modes.append(os.stat(message.file_path).st_mode)
         self.messages.append((scope, message))
         receipt = DeliveryReceipt(f"m{len(self.messages)}")
         self._receipts[message.outbound_key] = receipt

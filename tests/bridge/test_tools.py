@@ -109,7 +109,8 @@ async def test_P5_send_file_delivers_a_checked_copy(world: World) -> None:
     assert world.outbox.file_bytes == [b"\x89PNG-data"]
     assert msg.file_path is not None
     assert not msg.file_path.startswith(str(world.workspace)), "the copy is outside every mount"
-    assert os.stat(msg.file_path).st_mode & 0o077 == 0
+    assert [m & 0o077 for m in world.outbox.file_modes] == [0], "only the gateway reads the copy"
+    assert not os.path.exists(msg.file_path), "R3: the copy is removed once delivered"
 
 
 async def test_P5_send_file_refusals(world: World) -> None:
