@@ -55,8 +55,15 @@ from orchestrator.transcripts import (
 from orchestrator.turns import TurnAnswer, TurnLoop
 from policies.tools import session_env_flags
 from sandbox.backends.base import SandboxBackend
+from sandbox.gateway_id import load_gateway_id
 from sandbox.reaper import Reaper
-from sandbox.spec import LABEL_APP, LABEL_CONVERSATION, LABEL_MANAGED, LABEL_SPEC_HASH
+from sandbox.spec import (
+    LABEL_APP,
+    LABEL_CONVERSATION,
+    LABEL_GATEWAY,
+    LABEL_MANAGED,
+    LABEL_SPEC_HASH,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -123,6 +130,7 @@ class Gateway:
         self.backend = backend
         self.clock = clock
         self.store = store or Store.open(config.gateway.state_dir, clock=clock)
+        self.gateway_id = load_gateway_id(config.gateway.state_dir)  # R1
         self.agents: dict[str, AgentRuntime] = {a.id: self._runtime(a) for a in config.agents}
         self.channels: dict[str, Channel] = {}
         self.outbox = _GatewayOutbox(self.channels)
@@ -144,7 +152,9 @@ class Gateway:
             logger.error("agent %s: %s", agent.id, exc)
             return rt
         rt.app = app
-        rt.sandboxes = ConversationSandboxes(app, self.config.gateway, self.backend)
+        rt.sandboxes = ConversationSandboxes(
+            app, self.config.gateway, self.backend, gateway_id=self.gateway_id
+        )
         return rt
 
     # -- lifecycle ---------------------------------------------------------
@@ -162,7 +172,8 @@ class Gateway:
         removed = 0
         known = {c.id: c for c in await asyncio.to_thread(self.store.conversations)}
         apps = {rt.app.name for rt in self.agents.values() if rt.app is not None}
-        for info in await self.backend.list({LABEL_MANAGED: "1"}):
+        mine = {LABEL_MANAGED: "1", LABEL_GATEWAY: self.gateway_id}  # R1: only our own
+        for info in await self.backend.list(mine):
             if info.labels.get(LABEL_APP) not in apps:
                 continue  # another gateway's, or an app this one does not serve
             conv = known.get(ConversationId(info.labels.get(LABEL_CONVERSATION, "")))
@@ -479,6 +490,7 @@ class Gateway:
         apps = {rt.app.name for rt in self.agents.values() if rt.app is not None}
         return Reaper(
             self.backend,
+            gateway_id=self.gateway_id,
             last_active=self._last_active,
             busy=self._busy,
             idle_minutes=self.config.gateway.sandbox_idle_minutes,
