@@ -27,9 +27,7 @@ def run_labels(app: str | None = None) -> list[str]:
 
 
 def run_containers(client: Any, app: str | None = None) -> list[dict[str, Any]]:
-    rows: list[dict[str, Any]] = client.api.containers(
-        all=True, filters={"label": run_labels(app)}
-    )
+    rows: list[dict[str, Any]] = client.api.containers(all=True, filters={"label": run_labels(app)})
     return rows
 
 
