@@ -5,8 +5,9 @@ under a name of its own (`<prefix>-<random>`, image built on the local base,
 `cellgate-base:bookworm` or $CELLGATE_BASE_IMAGE), a gateway config with the
 runtime and turn bound asked for, and plain containers of the same image id
 for the baselines. Cleanup removes exactly what the run made: the sandboxes of
-its app (by the app label), the plain containers it labelled with its run id,
-its image tag (the image id stays, other tags share it) and the state dir.
+its app made by its own gateway (the app and gateway id labels, R1), the plain
+containers it labelled with its run id, its image tag (the image id stays,
+other tags share it) and the state dir.
 """
 
 from __future__ import annotations
@@ -35,7 +36,8 @@ from orchestrator.config import load_config, write_config_document
 from orchestrator.demo import sample_app_dir
 from orchestrator.gateway import Gateway, TurnOutcome
 from sandbox.backends.docker import DockerBackend
-from sandbox.spec import LABEL_APP
+from sandbox.gateway_id import load_gateway_id
+from sandbox.spec import LABEL_APP, LABEL_GATEWAY
 
 T = TypeVar("T")
 BENCH_LABEL = "io.cellgate.bench"
@@ -60,6 +62,7 @@ class BenchRun:
     client: Any
     runtime: str | None
     run_id: str
+    gateway_id: str
     _chats: int = 0
 
     @property
@@ -96,9 +99,8 @@ class BenchRun:
 
     def leftovers(self) -> list[Any]:
         """Every container this run made that still exists."""
-        sandboxes = self.client.containers.list(
-            all=True, filters={"label": f"{LABEL_APP}={self.app.name}"}
-        )
+        mine = [f"{LABEL_APP}={self.app.name}", f"{LABEL_GATEWAY}={self.gateway_id}"]
+        sandboxes = self.client.containers.list(all=True, filters={"label": mine})
         plain = self.client.containers.list(
             all=True, filters={"label": f"{BENCH_LABEL}={self.run_id}"}
         )
@@ -204,7 +206,8 @@ def bench_run(
     run: BenchRun | None = None
     try:
         config_path, app = _install(state, client, name, runtime, max_concurrent_turns)
-        run = BenchRun(name, state, config_path, app, client, runtime, run_id)
+        gateway_id = load_gateway_id(state)  # the id its gateways will read back (R1)
+        run = BenchRun(name, state, config_path, app, client, runtime, run_id, gateway_id)
         yield run
     finally:
         if run is not None:

@@ -56,7 +56,8 @@ from orchestrator.demo import sample_app_dir
 from orchestrator.sandboxes import ConversationSandboxes
 from orchestrator.store import Store
 from sandbox.backends.docker import DockerBackend
-from sandbox.spec import LABEL_APP
+from sandbox.gateway_id import load_gateway_id
+from sandbox.spec import LABEL_APP, LABEL_GATEWAY
 
 APP = "cgbench"
 
@@ -155,6 +156,7 @@ async def main(calls: int) -> None:
     client = docker.from_env()
     state = Path(tempfile.mkdtemp(prefix="cgbench-"))
     backend = DockerBackend.from_env()
+    gateway_id = load_gateway_id(state)  # R1: this run's sandboxes only
     try:
         app, settings = _install(state, client)
         store = Store.open(state)
@@ -165,7 +167,9 @@ async def main(calls: int) -> None:
         server = BridgeServer(handlers)
         key = ConversationKey(app.agent, "telegram", f"bench-{secrets.token_hex(4)}")
         sid = "s-bench"
-        prepared = await ConversationSandboxes(app, settings, backend).ensure(key, sid)
+        prepared = await ConversationSandboxes(
+            app, settings, backend, gateway_id=gateway_id
+        ).ensure(key, sid)
         conv = store.upsert_conversation(key)
         store.open_session(conv.id, "shell", session_id=sid)  # type: ignore[arg-type]
         install_client(prepared.paths.bridge_dir)
@@ -193,7 +197,8 @@ async def main(calls: int) -> None:
                 f"p95 {m['p95'] / echo_p95:.2f}x"
             )
     finally:
-        for c in client.containers.list(all=True, filters={"label": f"{LABEL_APP}={APP}"}):
+        mine = [f"{LABEL_APP}={APP}", f"{LABEL_GATEWAY}={gateway_id}"]
+        for c in client.containers.list(all=True, filters={"label": mine}):
             with contextlib.suppress(docker.errors.NotFound, docker.errors.APIError):
                 c.remove(force=True)
         await backend.close()

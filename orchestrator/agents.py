@@ -46,7 +46,7 @@ class AgentRuntime:
 
 
 def load_runtime(
-    agent: AgentConfig, settings: GatewaySettings, backend: SandboxBackend
+    agent: AgentConfig, settings: GatewaySettings, backend: SandboxBackend, gateway_id: str
 ) -> AgentRuntime:
     """The agent's harness, and for an app agent its installed app and sandboxes."""
     rt = AgentRuntime(agent, build_harness(agent), started_isolated=agent.isolate_memory)
@@ -58,7 +58,7 @@ def load_runtime(
         logger.error("agent %s: %s", agent.id, exc)
         return rt
     rt.app = app
-    rt.sandboxes = ConversationSandboxes(app, settings, backend)
+    rt.sandboxes = ConversationSandboxes(app, settings, backend, gateway_id=gateway_id)
     return rt
 
 
@@ -70,9 +70,13 @@ class Agents(Mapping[str, AgentRuntime]):
 
     @classmethod
     def load(
-        cls, agents: Sequence[AgentConfig], settings: GatewaySettings, backend: SandboxBackend
+        cls,
+        agents: Sequence[AgentConfig],
+        settings: GatewaySettings,
+        backend: SandboxBackend,
+        gateway_id: str,
     ) -> Agents:
-        return cls({a.id: load_runtime(a, settings, backend) for a in agents})
+        return cls({a.id: load_runtime(a, settings, backend, gateway_id) for a in agents})
 
     def __getitem__(self, agent_id: str) -> AgentRuntime:
         return self._runtimes[agent_id]

@@ -41,6 +41,7 @@ from orchestrator.store import Message, Store
 from orchestrator.supervise import supervised
 from orchestrator.turns import TurnLoop
 from sandbox.backends.base import SandboxBackend
+from sandbox.gateway_id import load_gateway_id
 from sandbox.reaper import Reaper
 from sandbox.runtime_check import check_runtimes
 
@@ -68,7 +69,8 @@ class Gateway:
         self.backend = backend
         self.clock = clock
         self.store = store or Store.open(settings.state_dir, clock=clock)
-        self.agents = Agents.load(config.agents, settings, backend)
+        self.gateway_id = load_gateway_id(settings.state_dir)  # R1: what this gateway owns
+        self.agents = Agents.load(config.agents, settings, backend, self.gateway_id)
         self.channels: dict[str, Channel] = {}
         self.outbox = GatewayOutbox(self.channels)
         tools = BuiltinTools(self.outbox, self.store, settings.state_dir / "bridge-spool")
@@ -93,6 +95,7 @@ class Gateway:
         )
         self.heartbeats = Heartbeats(self.agents, self.store, self.loop, self.runner, clock=clock)
         self.sandboxes = SandboxKeeper(
+            self.gateway_id,
             settings,
             self.agents,
             self.store,

@@ -23,7 +23,13 @@ from orchestrator.store.views import SandboxStore
 from orchestrator.turns import TurnLoop
 from sandbox.backends.base import SandboxBackend
 from sandbox.reaper import Reaper
-from sandbox.spec import LABEL_APP, LABEL_CONVERSATION, LABEL_MANAGED, LABEL_SPEC_HASH
+from sandbox.spec import (
+    LABEL_APP,
+    LABEL_CONVERSATION,
+    LABEL_GATEWAY,
+    LABEL_MANAGED,
+    LABEL_SPEC_HASH,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -31,6 +37,7 @@ logger = logging.getLogger(__name__)
 class SandboxKeeper:
     def __init__(
         self,
+        gateway_id: str,
         settings: GatewaySettings,
         agents: Agents,
         store: SandboxStore,
@@ -41,6 +48,7 @@ class SandboxKeeper:
         *,
         clock: Callable[[], float],
     ) -> None:
+        self.gateway_id = gateway_id
         self.settings = settings
         self.agents = agents
         self.store = store
@@ -55,7 +63,8 @@ class SandboxKeeper:
         removed = 0
         known = {c.id: c for c in await asyncio.to_thread(self.store.conversations)}
         apps = self.agents.app_names()
-        for info in await self.backend.list({LABEL_MANAGED: "1"}):
+        mine = {LABEL_MANAGED: "1", LABEL_GATEWAY: self.gateway_id}  # R1: only our own
+        for info in await self.backend.list(mine):
             if info.labels.get(LABEL_APP) not in apps:
                 continue  # another gateway's, or an app this one does not serve
             conv = known.get(ConversationId(info.labels.get(LABEL_CONVERSATION, "")))
@@ -80,6 +89,7 @@ class SandboxKeeper:
         apps = self.agents.app_names()
         return Reaper(
             self.backend,
+            gateway_id=self.gateway_id,
             last_active=self._last_active,
             busy=self._busy,
             idle_minutes=self.settings.sandbox_idle_minutes,

@@ -20,6 +20,7 @@ from orchestrator.conversations import ConversationPaths, conversation_paths, en
 from orchestrator.store.messages import conversation_id
 from policies.secrets import env_entry
 from sandbox.backends.base import ImageFacts, SandboxBackend, SandboxHandle
+from sandbox.gateway_id import valid_gateway_id
 from sandbox.mountplan import own_dirs, plan_mounts, scan_workspace
 from sandbox.spec import DEFAULT_UID, SandboxLimits, SandboxSpec, sandbox_name
 
@@ -69,14 +70,26 @@ class PreparedSandbox:
 
 
 class ConversationSandboxes:
-    """Ensures the sandbox of each conversation of one app agent."""
+    """Ensures the sandbox of each conversation of one app agent.
+
+    `gateway_id` (R1) labels every sandbox and is mixed into its name, so another
+    gateway serving an app of the same name never shares a container with this one.
+    """
 
     def __init__(
-        self, app: InstalledApp, settings: GatewaySettings, backend: SandboxBackend
+        self,
+        app: InstalledApp,
+        settings: GatewaySettings,
+        backend: SandboxBackend,
+        *,
+        gateway_id: str,
     ) -> None:
+        if not valid_gateway_id(gateway_id):
+            raise ValueError(f"not a gateway id: {gateway_id!r}")
         self.app = app
         self.settings = settings
         self.backend = backend
+        self.gateway_id = gateway_id
         self._image: ImageFacts | None = None
 
     async def image(self) -> ImageFacts:
@@ -97,7 +110,7 @@ class ConversationSandboxes:
             snap = scan_workspace(paths.workspace)
             own = own_dirs(paths.chat_dir, paths.media_dir, paths.home_dir, paths.bridge_dir)
             return SandboxSpec(
-                name=sandbox_name(self.app.name, key.digest),
+                name=sandbox_name(self.app.name, key.digest, gateway=self.gateway_id),
                 image=self.app.image,
                 image_id=image.id,
                 user=user,
@@ -109,6 +122,7 @@ class ConversationSandboxes:
                 app=self.app.name,
                 agent=self.app.agent,
                 conversation=conversation_id(key),
+                gateway=self.gateway_id,
             )
 
         return await asyncio.to_thread(prepare), paths

@@ -20,7 +20,8 @@ from typing import TypeVar
 
 from cellgate.errors import CellgateError
 from sandbox.backends.base import SandboxBackend, SandboxInfo
-from sandbox.spec import LABEL_APP, LABEL_MANAGED
+from sandbox.gateway_id import valid_gateway_id
+from sandbox.spec import LABEL_APP, LABEL_GATEWAY, LABEL_MANAGED
 
 logger = logging.getLogger(__name__)
 
@@ -61,12 +62,17 @@ class Reaper:
     first saw the sandbox, so an orphan is still removed eventually. `guard(name)`
     is held around the final check and the removal (the caller's per-conversation
     lock), so a session cannot start in a sandbox that is being removed.
+
+    `gateway_id` is required (R1): the reaper lists only containers labelled with
+    it, so it never touches another gateway's sandboxes on the same engine;
+    `scope` narrows that further (e.g. to the apps this gateway serves).
     """
 
     def __init__(
         self,
         backend: SandboxBackend,
         *,
+        gateway_id: str,
         last_active: LastActive,
         busy: Busy,
         idle_minutes: float = DEFAULT_IDLE_MINUTES,
@@ -75,7 +81,10 @@ class Reaper:
         scope: Scope = _everything,
         on_removed: Removed = _nothing,
     ) -> None:
+        if not valid_gateway_id(gateway_id):
+            raise ValueError(f"the reaper needs this gateway's id, got {gateway_id!r}")
         self._backend = backend
+        self._labels = {LABEL_MANAGED: "1", LABEL_GATEWAY: gateway_id}
         self._last_active = last_active
         self._busy = busy
         self._idle_seconds = idle_minutes * 60.0
@@ -86,8 +95,8 @@ class Reaper:
         self._first_seen: dict[str, float] = {}
 
     async def run_once(self) -> list[str]:
-        """One pass over every managed sandbox; the names it removed."""
-        infos = [i for i in await self._backend.list({LABEL_MANAGED: "1"}) if self._scope(i)]
+        """One pass over this gateway's sandboxes; the names it removed."""
+        infos = [i for i in await self._backend.list(self._labels) if self._scope(i)]
         now = self._now()
         present = {i.name for i in infos}
         for gone in set(self._first_seen) - present:
@@ -119,8 +128,8 @@ class Reaper:
         return True
 
     async def remove_app(self, app: str) -> list[str]:
-        """Remove every sandbox of `app`, busy or not (S5: the app was updated or uninstalled)."""
-        infos = await self._backend.list({LABEL_MANAGED: "1", LABEL_APP: app})
+        """Remove this gateway's sandboxes of `app`, busy or not (S5: updated or uninstalled)."""
+        infos = await self._backend.list({**self._labels, LABEL_APP: app})
         for info in infos:
             logger.info("removing sandbox %s of app %s", info.name, app)
             await self._backend.remove(info.name)

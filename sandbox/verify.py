@@ -7,11 +7,17 @@ message that names the offending mount or setting.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import PurePosixPath
 
 from sandbox.mountplan import EntryKind
-from sandbox.spec import LABEL_SPEC_HASH, SandboxSpec
+from sandbox.spec import LABEL_PREFIX, LABEL_SPEC_HASH, SandboxSpec, host_config
+
+# What the engine reports as the AppArmor profile when none was asked for: its
+# default profile, or nothing on a host without AppArmor. Anything else (above
+# all "unconfined") was asked for by someone other than the gateway.
+ENGINE_DEFAULT_APPARMOR = ("", "docker-default")
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,6 +49,17 @@ class ObservedContainer:
     devices: int
     runtime: str
     running: bool
+    pids_limit: int | None
+    memory: int
+    memory_swap: int
+    nano_cpus: int
+    ulimits: tuple[tuple[str, int, int], ...]
+    tmpfs_options: Mapping[str, str]
+    networks: tuple[str, ...]
+    apparmor_profile: str
+    log_type: str
+    log_options: Mapping[str, str]
+    cgroupns_mode: str
 
 
 def _is_parent(parent: str, child: str) -> bool:
@@ -118,5 +135,59 @@ def hardening_violations(spec: SandboxSpec, observed: ObservedContainer) -> list
     return out
 
 
+def _options(value: str) -> frozenset[str]:
+    return frozenset(o.strip() for o in value.split(",") if o.strip())
+
+
+def _differs(out: list[str], what: str, seen: object, want: object) -> None:
+    if seen != want:
+        out.append(f"{what} is {seen!r}, the spec says {want!r}")
+
+
+def limit_violations(spec: SandboxSpec, observed: ObservedContainer) -> list[str]:
+    """R5: every engine-side limit and setting as the spec created it; a `docker update`
+    or a container made by other hands shows up here, named."""
+    want = host_config(spec)
+    out: list[str] = []
+    _differs(out, "pids limit", observed.pids_limit, want.pids_limit)
+    _differs(out, "memory limit", observed.memory, want.memory)
+    _differs(out, "memory+swap limit", observed.memory_swap, want.memory_swap)
+    _differs(out, "CPU limit (NanoCpus)", observed.nano_cpus, want.nano_cpus)
+    _differs(out, "ulimits", tuple(sorted(observed.ulimits)), tuple(sorted(want.ulimits)))
+    _differs(out, "network mode", observed.network_mode, want.network_mode)
+    want_nets = tuple(sorted(spec.networks)) or ("none",)
+    _differs(out, "attached networks", tuple(sorted(observed.networks)), want_nets)
+    extra = sorted(set(observed.security_opt) - set(want.security_opt))
+    missing = sorted(set(want.security_opt) - set(observed.security_opt))
+    if extra:
+        out.append(f"security options added: {', '.join(extra)}")
+    if missing:
+        out.append(f"security options missing: {', '.join(missing)}")
+    if observed.apparmor_profile not in ENGINE_DEFAULT_APPARMOR:
+        out.append(f"AppArmor profile is {observed.apparmor_profile!r}, not the engine default")
+    _differs(out, "log driver", observed.log_type, want.log_driver)
+    if observed.log_options:
+        out.append(f"log options set: {dict(observed.log_options)!r}")
+    _differs(out, "cgroup namespace", observed.cgroupns_mode, want.cgroupns_mode)
+    for target, options in sorted(want.tmpfs.items()):
+        seen = observed.tmpfs_options.get(target)
+        if seen is None:
+            out.append(f"tmpfs at {target} is missing")
+        elif _options(seen) != _options(options):
+            out.append(f"tmpfs at {target} has options {seen!r}, the spec says {options!r}")
+    labels = spec.labels()
+    for name, value in sorted(labels.items()):
+        if name != LABEL_SPEC_HASH and observed.labels.get(name) != value:
+            out.append(f"label {name} is {observed.labels.get(name)!r}, the spec says {value!r}")
+    for name in sorted(set(observed.labels) - set(labels)):
+        if name.startswith(LABEL_PREFIX):
+            out.append(f"unexpected label {name}")
+    return out
+
+
 def violations(spec: SandboxSpec, observed: ObservedContainer) -> list[str]:
-    return mount_violations(spec, observed) + hardening_violations(spec, observed)
+    return (
+        mount_violations(spec, observed)
+        + hardening_violations(spec, observed)
+        + limit_violations(spec, observed)
+    )

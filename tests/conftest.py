@@ -3,12 +3,16 @@
 - No test reaches past loopback: a connect to any other address fails the test.
 - Tests that need Docker get `docker_client`; when CELLGATE_REQUIRE_DOCKER=1 (the
   test script sets it) a missing engine fails them instead of skipping.
+- R1: when an engine answers, a FOREIGN gateway's sandboxes (cellgate labels, the
+  app names the tests use, another gateway id) live through the whole session;
+  the run fails if any test (or a gateway under test) removed one.
 """
 
 from __future__ import annotations
 
 import ipaddress
 import os
+import secrets
 import socket
 from collections.abc import Iterator
 from typing import Any
@@ -83,3 +87,77 @@ def base_image(docker_client: Any) -> str:
     except docker.errors.ImageNotFound:
         pytest.fail(f"base image {ref} is missing: run `bash scripts/build-base-image.sh`")
     return ref
+
+
+# The app names the suite's gateways serve; a foreign gateway serves the same ones.
+GUARDED_APPS = ("e2e", "e2egv", "crash", "life", "cgbridge", "k1api")
+
+
+def _start_foreign(client: Any, image: str, gateway: str) -> dict[str, str]:
+    from sandbox.spec import (
+        LABEL_AGENT,
+        LABEL_APP,
+        LABEL_CONVERSATION,
+        LABEL_GATEWAY,
+        LABEL_MANAGED,
+        sandbox_name,
+    )
+
+    made: dict[str, str] = {}
+    for app in GUARDED_APPS:
+        container = client.containers.run(
+            image,
+            ["sleep", "infinity"],
+            name=sandbox_name(app, secrets.token_hex(8), gateway=gateway),
+            labels={
+                LABEL_MANAGED: "1",
+                LABEL_APP: app,
+                LABEL_AGENT: f"{app}-bot",
+                LABEL_CONVERSATION: "foreign-conversation",
+                LABEL_GATEWAY: gateway,
+            },
+            user="65532:65532",
+            network_mode="none",
+            cap_drop=["ALL"],
+            read_only=True,
+            log_config={"Type": "none", "Config": {}},
+            detach=True,
+        )
+        made[container.name] = container.id
+    return made
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _foreign_sandboxes_survive() -> Iterator[None]:
+    """R1: another gateway's sandboxes on this engine are never touched by the suite."""
+    try:
+        import docker
+        import docker.errors
+
+        client = docker.from_env()
+        client.ping()
+    except Exception:
+        yield
+        return
+    image = os.environ.get("CELLGATE_BASE_IMAGE", "cellgate-base:bookworm")
+    try:
+        client.images.get(image)
+    except docker.errors.ImageNotFound:
+        client.close()
+        yield
+        return
+    made = _start_foreign(client, image, f"foreign-{secrets.token_hex(5)}")
+    try:
+        yield
+    finally:
+        gone = []
+        for name, cid in made.items():
+            try:
+                client.api.inspect_container(cid)
+            except docker.errors.NotFound:
+                gone.append(name)
+                continue
+            client.api.remove_container(cid, force=True)
+        client.close()
+        if gone:
+            pytest.fail(f"R1: the suite removed another gateway's sandboxes: {', '.join(gone)}")

@@ -7,12 +7,15 @@ the hook created; `exec` bounds the time); backends implement the `_` hooks.
 from __future__ import annotations
 
 import abc
+import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from cellgate.errors import MountVerificationFailed, SandboxError
 from sandbox.spec import SandboxSpec
 from sandbox.verify import ObservedContainer, violations
+
+logger = logging.getLogger(__name__)
 
 
 class SandboxNotFound(SandboxError):
@@ -50,9 +53,19 @@ class SandboxBackend(abc.ABC):
     """ensure(spec) → handle; exec; inspect; remove; list by label."""
 
     async def ensure(self, spec: SandboxSpec) -> SandboxHandle:
-        """Create or reuse the sandbox for `spec`, then verify it; refuse on any difference."""
+        """Create or reuse the sandbox for `spec`, then verify it; refuse on any difference.
+
+        A sandbox that fails the check is removed before the refusal is raised
+        (R5): the turn is refused, and the next `ensure` creates a fresh one to
+        spec, so nobody keeps a loosened sandbox by retrying.
+        """
         handle = await self._ensure(spec)
-        await self.verify(spec, handle)
+        try:
+            await self.verify(spec, handle)
+        except MountVerificationFailed as exc:
+            logger.warning("sandbox %s refused and removed: %s", handle.name, exc.violations)
+            await self.remove(handle.name)
+            raise
         return handle
 
     async def verify(self, spec: SandboxSpec, handle: SandboxHandle) -> None:

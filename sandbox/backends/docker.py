@@ -41,7 +41,13 @@ from sandbox.backends.base import (
     SandboxNotFound,
 )
 from sandbox.mountplan import EntryKind, MountPlan, identity
-from sandbox.spec import DEFAULT_UID, LABEL_SPEC_HASH, SandboxLimits, SandboxSpec
+from sandbox.spec import (
+    DEFAULT_UID,
+    LABEL_SPEC_HASH,
+    SandboxSpec,
+    host_config,
+    tmpfs_options,
+)
 from sandbox.verify import ObservedContainer, ObservedMount
 
 logger = logging.getLogger(__name__)
@@ -58,12 +64,6 @@ EXEC_MARKER_ENV = "CELLGATE_EXEC"
 # stops waiting `HOST_GRACE` seconds after the deadline, whatever the sandbox does.
 KILL_AFTER = 2
 HOST_GRACE = 3.0
-# gVisor's Sentry runs inside the container's pids cgroup and needs host threads
-# of its own (several per task on the ptrace platform); hitting the cgroup limit
-# crashes the whole sandbox. Under runsc the task limit is RLIMIT_NPROC, counted
-# by gVisor's own kernel for this sandbox only, and the host cgroup gets headroom.
-RUNSC_HOST_THREADS_PER_TASK = 16
-RUNSC_HOST_THREADS_BASE = 256
 
 DEFAULT_DOCKER_HOST = "unix:///var/run/docker.sock"
 LABEL_PROBE = "io.cellgate.probe"
@@ -429,33 +429,13 @@ def _probe_unix_socket(host: str) -> None:
 # -- creation ------------------------------------------------------------
 
 
-def _numeric_user(user: str) -> tuple[int, int] | None:
-    uid, _, gid = user.partition(":")
-    if uid.isdigit() and (gid.isdigit() or not gid):
-        return int(uid), int(gid or uid)
-    return None
-
-
-def tmpfs_options(spec: SandboxSpec) -> dict[str, str]:
-    """A private /tmp and home directory; the home is owned by (and only open to) the user."""
-    limits = spec.limits
-    ids = _numeric_user(spec.user)
-    home = f"size={limits.home_bytes},nosuid,nodev"
-    home += f",uid={ids[0]},gid={ids[1]},mode=0700" if ids else ",mode=1777"
-    return {"/tmp": f"size={limits.tmp_bytes},mode=1777,nosuid,nodev", spec.home: home}
-
-
-def _pid_limits(spec: SandboxSpec) -> tuple[int, list[docker.types.Ulimit]]:
-    limits: SandboxLimits = spec.limits
-    if spec.runtime == "runsc":
-        host = limits.pids * RUNSC_HOST_THREADS_PER_TASK + RUNSC_HOST_THREADS_BASE
-        return host, [docker.types.Ulimit(name="nproc", soft=limits.pids, hard=limits.pids)]
-    return limits.pids, []
-
-
 def create_kwargs(spec: SandboxSpec) -> dict[str, Any]:
-    """Everything `containers.create` gets; nothing the spec and plan do not ask for (S2, S3)."""
-    pids_limit, ulimits = _pid_limits(spec)
+    """Everything `containers.create` gets; nothing the spec and plan do not ask for (S2, S3).
+
+    The limits and settings come from `host_config`, the same record the pre-turn
+    check compares the running container with (R5).
+    """
+    host = host_config(spec)
     mounts = [
         docker.types.Mount(
             m.target, m.source, type="bind", read_only=m.read_only, propagation="rprivate"
@@ -472,15 +452,17 @@ def create_kwargs(spec: SandboxSpec) -> dict[str, Any]:
         "labels": spec.labels(),
         "init": True,
         "cap_drop": ["ALL"],
-        "security_opt": ["no-new-privileges:true"],
+        "security_opt": list(host.security_opt),
         "read_only": True,
-        "tmpfs": tmpfs_options(spec),
+        "tmpfs": dict(host.tmpfs),
         "mounts": mounts,
-        "pids_limit": pids_limit,
-        "ulimits": ulimits,
-        "mem_limit": spec.limits.memory_bytes,
-        "memswap_limit": spec.limits.memory_bytes,
-        "nano_cpus": spec.limits.nano_cpus,
+        "pids_limit": host.pids_limit,
+        "ulimits": [docker.types.Ulimit(name=n, soft=s, hard=h) for n, s, h in host.ulimits],
+        "mem_limit": host.memory,
+        "memswap_limit": host.memory_swap,
+        "nano_cpus": host.nano_cpus,
+        "log_config": docker.types.LogConfig(type=host.log_driver),
+        "cgroupns": host.cgroupns_mode,
         "ipc_mode": "private",
         "restart_policy": {"Name": "no"},
         "detach": True,
@@ -488,9 +470,9 @@ def create_kwargs(spec: SandboxSpec) -> dict[str, Any]:
     if spec.runtime:
         kwargs["runtime"] = spec.runtime
     if spec.networks:
-        kwargs["network"] = spec.networks[0]
+        kwargs["network"] = host.network_mode
     else:
-        kwargs["network_mode"] = "none"
+        kwargs["network_mode"] = host.network_mode
     return kwargs
 
 
@@ -508,6 +490,7 @@ def observe(attrs: Mapping[str, Any]) -> ObservedContainer:
     """What the engine reports about a container, plus an `lstat` of each bind source."""
     host = attrs.get("HostConfig") or {}
     config = attrs.get("Config") or {}
+    log = host.get("LogConfig") or {}
     mounts = tuple(
         ObservedMount(
             type=m.get("Type", ""),
@@ -537,6 +520,20 @@ def observe(attrs: Mapping[str, Any]) -> ObservedContainer:
         devices=len(host.get("Devices") or ()),
         runtime=host.get("Runtime") or "",
         running=bool((attrs.get("State") or {}).get("Running")),
+        pids_limit=host.get("PidsLimit"),
+        memory=int(host.get("Memory") or 0),
+        memory_swap=int(host.get("MemorySwap") or 0),
+        nano_cpus=int(host.get("NanoCpus") or 0),
+        ulimits=tuple(
+            (str(u.get("Name")), int(u.get("Soft", -1)), int(u.get("Hard", -1)))
+            for u in host.get("Ulimits") or ()
+        ),
+        tmpfs_options=dict(host.get("Tmpfs") or {}),
+        networks=tuple(sorted((attrs.get("NetworkSettings") or {}).get("Networks") or {})),
+        apparmor_profile=str(attrs.get("AppArmorProfile") or ""),
+        log_type=str(log.get("Type") or ""),
+        log_options={str(k): str(v) for k, v in (log.get("Config") or {}).items()},
+        cgroupns_mode=str(host.get("CgroupnsMode") or ""),
     )
 
 

@@ -29,7 +29,7 @@ from orchestrator.config import write_config_document
 from orchestrator.demo import sample_app_dir
 from orchestrator.keys import create_operator_key, mint_host_agent_key
 from orchestrator.store import Store
-from sandbox.spec import LABEL_APP
+from tests.support.run_id import remove_run_containers, run_labels, seed_gateway_id
 from tests.support.served import served_gateway
 
 pytestmark = pytest.mark.docker
@@ -79,6 +79,7 @@ def minted(
     tmp = tmp_path_factory.mktemp("k1")
     state = tmp / "state"
     state.mkdir()
+    seed_gateway_id(state)  # R1
     config_path = state / "config.json"
     write_config_document(
         config_path,
@@ -112,8 +113,7 @@ def minted(
             os.environ.pop(PLANTED_ENV, None)
         else:
             os.environ[PLANTED_ENV] = saved
-        for c in docker_client.containers.list(all=True, filters={"label": f"{LABEL_APP}={APP}"}):
-            c.remove(force=True)
+        remove_run_containers(docker_client, APP)
 
 
 def test_K1_minted_keys_are_not_in_the_sandbox_env_or_files(minted: Minted) -> None:
@@ -136,7 +136,7 @@ def test_K1_minted_keys_are_not_in_the_sandbox_env_or_files(minted: Minted) -> N
 
 def test_K1_minted_keys_are_not_in_the_container_config_or_its_mounts(minted: Minted) -> None:
     minted.run("bob", "echo ok")
-    containers = minted.docker.containers.list(filters={"label": f"{LABEL_APP}={APP}"})
+    containers = minted.docker.containers.list(filters={"label": run_labels(APP)})
     assert containers, "no sandbox is running"
     for container in containers:
         attrs = container.attrs

@@ -40,7 +40,7 @@ from orchestrator.sandboxes import ConversationSandboxes
 from orchestrator.store import SessionId, Store
 from sandbox.backends.base import ExecResult, SandboxBackend, SandboxHandle
 from sandbox.client import cellgate_tool
-from sandbox.spec import LABEL_APP
+from tests.support.run_id import RUN_ID, remove_run_containers, seed_gateway_id
 
 AGENT = "bot"
 
@@ -202,6 +202,7 @@ def bridge_app(docker_client: Any, base_image: str) -> Iterator[BridgeApp]:
     """The sample app (image built on the local base) installed under a fresh state dir."""
     state = Path(tempfile.mkdtemp(prefix="cgbs-", dir="/tmp"))
     os.chmod(state, 0o755)
+    seed_gateway_id(state)  # R1
     config_path = state / "config.json"
     write_config_document(
         config_path,
@@ -229,10 +230,7 @@ def bridge_app(docker_client: Any, base_image: str) -> Iterator[BridgeApp]:
     try:
         yield BridgeApp(app, load_config(config_path).gateway, state)
     finally:
-        for c in docker_client.containers.list(
-            all=True, filters={"label": f"{LABEL_APP}={SANDBOX_APP}"}
-        ):
-            c.remove(force=True)
+        remove_run_containers(docker_client, SANDBOX_APP)
         shutil.rmtree(state, ignore_errors=True)
 
 
@@ -287,7 +285,9 @@ async def sandboxed(bridge_app: BridgeApp) -> AsyncIterator[SandboxWorld]:
     world = make_world(root, agent_root=bridge_app.app.agent_root)
     try:
         yield SandboxWorld(
-            world, ConversationSandboxes(bridge_app.app, bridge_app.settings, backend), backend
+            world,
+            ConversationSandboxes(bridge_app.app, bridge_app.settings, backend, gateway_id=RUN_ID),
+            backend,
         )
     finally:
         await world.server.close_all()

@@ -23,7 +23,7 @@ from orchestrator.config import write_config_document
 from orchestrator.demo import sample_app_dir
 from orchestrator.gateway import Gateway
 from sandbox.backends.docker import DockerBackend
-from sandbox.spec import LABEL_APP
+from tests.support.run_id import remove_run_containers, seed_gateway_id
 from tests.support.served import served_gateway
 
 CANARIES = {
@@ -87,6 +87,7 @@ def install_test_app(
     """A state dir with the sample app installed as `name` (agent `<name>-bot`); its config."""
     state = tmp / f"state-{name}"
     state.mkdir()
+    seed_gateway_id(state)  # R1: the test gateway's id is this run's
     config_path = state / "config.json"
     write_config_document(
         config_path,
@@ -108,8 +109,8 @@ def install_test_app(
 
 
 def remove_app_containers(docker_client: Any, app: str) -> None:
-    for c in docker_client.containers.list(all=True, filters={"label": f"{LABEL_APP}={app}"}):
-        c.remove(force=True)
+    """This run's containers of `app` only (R1)."""
+    remove_run_containers(docker_client, app)
 
 
 @pytest.fixture(scope="session", params=["runc", "runsc"])

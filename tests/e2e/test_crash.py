@@ -21,8 +21,9 @@ import httpx
 import pytest
 
 from orchestrator.store import Store
-from sandbox.spec import LABEL_AGENT, LABEL_APP, LABEL_CONVERSATION, LABEL_MANAGED
+from sandbox.spec import LABEL_AGENT, LABEL_APP, LABEL_CONVERSATION, LABEL_GATEWAY, LABEL_MANAGED
 from tests.e2e.conftest import CONFIG_KEY, install_test_app, remove_app_containers
+from tests.support.run_id import RUN_ID, run_labels
 from tests.support.served import free_port
 
 pytestmark = pytest.mark.docker
@@ -114,7 +115,7 @@ def test_D1_D2_sigkill_in_flight_every_message_answered_exactly_once(
                 docker_client.containers.create(
                     base_image, "sleep infinity", name=f"{APP}-agent-c-orphan", network_mode="none",
                     labels={LABEL_MANAGED: "1", LABEL_APP: APP, LABEL_AGENT: AGENT,
-                            LABEL_CONVERSATION: "gone"},
+                            LABEL_CONVERSATION: "gone", LABEL_GATEWAY: RUN_ID},
                 )  # fmt: skip
             gw.kill()
             kills += 1
@@ -156,7 +157,7 @@ def test_D1_D2_sigkill_in_flight_every_message_answered_exactly_once(
     with Store.open(config.parent) as store:
         violations = store.delivery_violations()
         conversations = {c.id for c in store.conversations()}
-    containers = docker_client.containers.list(all=True, filters={"label": f"{LABEL_APP}={APP}"})
+    containers = docker_client.containers.list(all=True, filters={"label": run_labels(APP)})
     homeless = [c.name for c in containers if c.labels[LABEL_CONVERSATION] not in conversations]
     print(
         f"\ncrash test: {kills} SIGKILLs, {len(plan)} sent, {len(accepted)} accepted, "

@@ -19,11 +19,13 @@ from sandbox.spec import (
     LABEL_AGENT,
     LABEL_APP,
     LABEL_CONVERSATION,
+    LABEL_GATEWAY,
     LABEL_MANAGED,
     LABEL_SPEC_HASH,
     sandbox_name,
 )
 from tests.e2e.conftest import install_test_app, remove_app_containers
+from tests.support.run_id import RUN_ID, run_labels
 
 pytestmark = pytest.mark.docker
 
@@ -57,7 +59,7 @@ async def gateway(config_path: Path) -> AsyncIterator[tuple[Gateway, Clock]]:
 
 
 def _names(docker_client: Any) -> set[str]:
-    found = docker_client.containers.list(all=True, filters={"label": f"{LABEL_APP}={APP}"})
+    found = docker_client.containers.list(all=True, filters={"label": run_labels(APP)})
     return {c.name for c in found}
 
 
@@ -66,7 +68,7 @@ async def test_S5_sandbox_reaped_after_idle_minutes_and_recreated_on_demand(
 ) -> None:
     gw, clock = gateway
     await gw.turn(AGENT, "api", "reap-me", "echo hi")
-    name = sandbox_name(APP, ConversationKey(AGENT, "api", "reap-me").digest)
+    name = sandbox_name(APP, ConversationKey(AGENT, "api", "reap-me").digest, gateway=RUN_ID)
     reaper = gw.reaper()
     clock.t += 29 * 60
     assert name not in await reaper.run_once()
@@ -87,7 +89,7 @@ async def test_D2_start_removes_orphaned_and_stale_sandboxes(
 ) -> None:
     gw, _ = gateway
     await gw.turn(AGENT, "api", "stale-one", "true")
-    stale = sandbox_name(APP, ConversationKey(AGENT, "api", "stale-one").digest)
+    stale = sandbox_name(APP, ConversationKey(AGENT, "api", "stale-one").digest, gateway=RUN_ID)
     # Drift the stale one's spec: a new persona file changes the mount plan.
     ws = gw.agent(AGENT).app.workspace  # type: ignore[union-attr]
     (ws / "HEARTBEAT.md").write_text("check the shop once an hour\n")
@@ -95,11 +97,13 @@ async def test_D2_start_removes_orphaned_and_stale_sandboxes(
     docker_client.containers.create(
         base_image, "sleep infinity", name=orphan, network_mode="none",
         labels={LABEL_MANAGED: "1", LABEL_APP: APP, LABEL_AGENT: AGENT,
-                LABEL_CONVERSATION: "no-such-conversation", LABEL_SPEC_HASH: "x"},
+                LABEL_CONVERSATION: "no-such-conversation", LABEL_SPEC_HASH: "x",
+                LABEL_GATEWAY: RUN_ID},
     )  # fmt: skip
     other = docker_client.containers.create(
         base_image, "sleep infinity", name="other-agent-c-0000", network_mode="none",
-        labels={LABEL_MANAGED: "1", LABEL_APP: "another-gateways-app"},
+        labels={LABEL_MANAGED: "1", LABEL_APP: APP, LABEL_AGENT: AGENT,
+                LABEL_CONVERSATION: "no-such-conversation", LABEL_GATEWAY: f"other-{RUN_ID}"},
     )  # fmt: skip
     try:
         restarted = Gateway(gw.config, DockerBackend.from_env(), clock=gw.clock)
@@ -109,7 +113,7 @@ async def test_D2_start_removes_orphaned_and_stale_sandboxes(
             await restarted.close()
         names = _names(docker_client)
         assert orphan not in names and stale not in names
-        other.reload()  # another gateway's sandbox is left alone
+        other.reload()  # R1: another gateway's sandbox of the same app is left alone
     finally:
         other.remove(force=True)
         (ws / "HEARTBEAT.md").unlink()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import docker.errors
 import pytest
 
 from cellgate.models import ConversationKey
@@ -87,7 +88,8 @@ def test_S4_drifted_sandbox_refuses_the_next_turn(
     live: LiveGateway, chat: str, change: Any, names: str
 ) -> None:
     assert "[exit 0]" in live.run(chat, "true")
-    name = sandbox_name(live.app, ConversationKey(live.agent, "api", chat).digest)
+    key = ConversationKey(live.agent, "api", chat)
+    name = sandbox_name(live.app, key.digest, gateway=live.gateway.gateway_id)
     _recreate(live, name, lambda ms: change(live, ms))
     r = live.say(chat, "echo ran > $HOME/.claude/ran.txt; echo ran")
     assert r.status_code == 500, r.text
@@ -97,6 +99,7 @@ def test_S4_drifted_sandbox_refuses_the_next_turn(
     # Nothing ran: the command's trace is absent on the host.
     home = live.state_dir / "agents" / live.agent / "sandbox-homes"
     assert not list(home.glob("*/ran.txt"))
-    # Removing the drifted container lets the next turn recreate it to plan.
-    live.docker.containers.get(name).remove(force=True)
+    # R5: the refused container is gone; the next turn recreates it to plan.
+    with pytest.raises(docker.errors.NotFound):
+        live.docker.containers.get(name)
     assert "ok-again" in live.run(chat, "echo ok-again")

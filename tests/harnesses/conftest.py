@@ -26,7 +26,7 @@ from orchestrator.harnesses.base import SessionContext
 from orchestrator.sandboxes import ConversationSandboxes, PreparedSandbox
 from policies.tools import session_env_flags
 from sandbox.backends.docker import DockerBackend
-from sandbox.spec import LABEL_APP
+from tests.support.run_id import RUN_ID, remove_run_containers
 
 FAKES = Path(__file__).resolve().parent.parent / "fakes"
 AGENT = "hx-bot"
@@ -111,9 +111,9 @@ def sandboxes(
     async def create(key: ConversationKey, session_id: str) -> PreparedSandbox:
         backend = DockerBackend.from_env()
         try:
-            return await ConversationSandboxes(app, GatewaySettings(), backend).ensure(
-                key, session_id
-            )
+            return await ConversationSandboxes(
+                app, GatewaySettings(), backend, gateway_id=RUN_ID
+            ).ensure(key, session_id)
         finally:
             await backend.close()
 
@@ -129,10 +129,7 @@ def sandboxes(
         yield make
     finally:
         pool.shutdown()
-        for c in docker_client.containers.list(
-            all=True, filters={"label": f"{LABEL_APP}={app_name}"}
-        ):
-            c.remove(force=True)
+        remove_run_containers(docker_client, app_name)
 
 
 @pytest.fixture

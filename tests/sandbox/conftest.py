@@ -1,14 +1,14 @@
 """Real workspaces, real specs, and cleanup of every container a test created.
 
 Each test (or module, for shared containers) gets its own app name; every
-sandbox and hand-made container carries it as the `io.cellgate.app` label, and
-teardown force-removes everything with that label.
+sandbox and hand-made container carries it as the `io.cellgate.app` label and
+this run's gateway id (R1) as `io.cellgate.gateway`; teardown force-removes only
+containers with both.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import secrets
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, replace
@@ -23,7 +23,8 @@ from cellgate.models import ConversationKey
 from orchestrator.conversations import ConversationPaths, conversation_paths, ensure_conversation
 from sandbox.backends.docker import DockerBackend
 from sandbox.mountplan import own_dirs, plan_mounts, scan_workspace
-from sandbox.spec import LABEL_APP, SandboxLimits, SandboxSpec, sandbox_name
+from sandbox.spec import SandboxLimits, SandboxSpec, sandbox_name
+from tests.support.run_id import RUN_ID, remove_run_containers
 
 UID = 65532
 USER = f"{UID}:{UID}"
@@ -87,7 +88,7 @@ def build_spec(
     own = own_dirs(paths.chat_dir, paths.media_dir, paths.home_dir, paths.bridge_dir)
     plan = plan_mounts(scan_workspace(ws), own)
     spec = SandboxSpec(
-        name=sandbox_name(app, key.digest),
+        name=sandbox_name(app, key.digest, gateway=RUN_ID),
         image="cellgate-base:bookworm",
         image_id=image_id,
         user=USER,
@@ -99,15 +100,14 @@ def build_spec(
         app=app,
         agent="helper",
         conversation=key.dir_name,
+        gateway=RUN_ID,
     )
     return Built(spec, paths, key)
 
 
 def remove_app_containers(client: docker.DockerClient, app: str) -> None:
-    """Force-remove every container labelled with `app`, whatever state it is in."""
-    for row in client.api.containers(all=True, filters={"label": [f"{LABEL_APP}={app}"]}):
-        with contextlib.suppress(docker.errors.NotFound):
-            client.api.remove_container(row["Id"], force=True, v=True)
+    """Force-remove this run's containers of `app`, whatever state they are in."""
+    remove_run_containers(client, app)
 
 
 def new_app_name() -> str:

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import docker
+import docker.errors
 import docker.types
 import pytest
 
@@ -16,9 +17,10 @@ from cellgate.errors import EngineUnavailable, ImageError, MountVerificationFail
 from sandbox.backends.base import SandboxHandle, SandboxNotFound
 from sandbox.backends.docker import OUTPUT_CAP, DockerBackend, create_kwargs
 from sandbox.reaper import Reaper
-from sandbox.spec import LABEL_APP, LABEL_MANAGED, LABEL_SPEC_HASH, SandboxLimits
+from sandbox.spec import LABEL_APP, LABEL_GATEWAY, LABEL_MANAGED, LABEL_SPEC_HASH, SandboxLimits
 from sandbox.verify import violations
 from tests.sandbox.conftest import FAST_PIDS, Built, new_app_name, remove_app_containers
+from tests.support.run_id import RUN_ID
 
 pytestmark = pytest.mark.docker
 
@@ -429,18 +431,41 @@ class Clock:
         return self.t
 
 
-def _plain_sandbox(client: docker.DockerClient, name: str, app: str, base_image: str) -> None:
+def _plain_sandbox(
+    client: docker.DockerClient, name: str, app: str, base_image: str, gateway: str = RUN_ID
+) -> None:
     client.containers.create(
         base_image,
         ["sleep", "infinity"],
         name=name,
-        labels={LABEL_MANAGED: "1", LABEL_APP: app},
+        labels={LABEL_MANAGED: "1", LABEL_APP: app, LABEL_GATEWAY: gateway},
         network_mode="none",
     )
 
 
-async def test_S5_reaper_removes_idle_keeps_busy_and_recent(
-    backend: DockerBackend, app_name: str, docker_client: docker.DockerClient, base_image: str
+@pytest.fixture
+def foreign(docker_client: docker.DockerClient, base_image: str, app_name: str) -> Iterator[str]:
+    """R1: another gateway's idle sandbox of the same app on this engine (removed after)."""
+    name = f"{app_name}-agent-c-foreign"
+    _plain_sandbox(docker_client, name, app_name, base_image, gateway=f"other-{RUN_ID}")
+    yield name
+    docker_client.api.remove_container(name, force=True)
+
+
+def _exists(client: docker.DockerClient, name: str) -> bool:
+    try:
+        client.api.inspect_container(name)
+    except docker.errors.NotFound:
+        return False
+    return True
+
+
+async def test_S5_R1_reaper_removes_idle_keeps_busy_and_recent_and_foreign(
+    backend: DockerBackend,
+    app_name: str,
+    docker_client: docker.DockerClient,
+    base_image: str,
+    foreign: str,
 ) -> None:
     names = {k: f"{app_name}-agent-c-{k}" for k in ("idle", "busy", "recent", "unknown")}
     for n in names.values():
@@ -450,13 +475,14 @@ async def test_S5_reaper_removes_idle_keeps_busy_and_recent(
     busy = {names["busy"]}
     reaper = Reaper(
         backend,
+        gateway_id=RUN_ID,
         last_active=last.get,
         busy=lambda n: n in busy,
         idle_minutes=30,
         now=clock,
     )
     removed = await reaper.run_once()
-    mine = {i.name for i in await backend.list({LABEL_APP: app_name})}
+    mine = {i.name for i in await backend.list({LABEL_APP: app_name, LABEL_GATEWAY: RUN_ID})}
     assert names["idle"] in removed
     assert mine == {names["busy"], names["recent"], names["unknown"]}
     clock.t += 29 * 60
@@ -464,21 +490,28 @@ async def test_S5_reaper_removes_idle_keeps_busy_and_recent(
     clock.t += 2 * 60
     removed = await reaper.run_once()
     assert {names["recent"], names["unknown"]} <= set(removed)
-    assert {i.name for i in await backend.list({LABEL_APP: app_name})} == {names["busy"]}
+    mine = {i.name for i in await backend.list({LABEL_APP: app_name, LABEL_GATEWAY: RUN_ID})}
+    assert mine == {names["busy"]}
+    # R1: the other gateway's sandbox of the same app, idle "forever", is untouched.
+    assert foreign not in removed and _exists(docker_client, foreign)
 
 
-async def test_S5_reaper_remove_app_removes_only_that_app(
-    backend: DockerBackend, docker_client: docker.DockerClient, base_image: str, app_name: str
+async def test_S5_R1_reaper_remove_app_removes_only_that_app_of_this_gateway(
+    backend: DockerBackend,
+    docker_client: docker.DockerClient,
+    base_image: str,
+    app_name: str,
+    foreign: str,
 ) -> None:
     other = new_app_name()
     try:
         _plain_sandbox(docker_client, f"{app_name}-agent-c-1", app_name, base_image)
         _plain_sandbox(docker_client, f"{app_name}-agent-c-2", app_name, base_image)
         _plain_sandbox(docker_client, f"{other}-agent-c-1", other, base_image)
-        reaper = Reaper(backend, last_active=lambda n: None, busy=lambda n: True)
+        reaper = Reaper(backend, gateway_id=RUN_ID, last_active=lambda n: None, busy=lambda n: True)
         removed = await reaper.remove_app(app_name)
         assert sorted(removed) == [f"{app_name}-agent-c-1", f"{app_name}-agent-c-2"]
-        assert await backend.list({LABEL_APP: app_name}) == []
+        assert [i.name for i in await backend.list({LABEL_APP: app_name})] == [foreign]
         assert [i.name for i in await backend.list({LABEL_APP: other})] == [f"{other}-agent-c-1"]
     finally:
         remove_app_containers(docker_client, other)
@@ -489,7 +522,9 @@ async def test_S5_reaper_run_forever_keeps_going(
 ) -> None:
     name = f"{app_name}-agent-c-x"
     _plain_sandbox(docker_client, name, app_name, base_image)
-    reaper = Reaper(backend, last_active=lambda n: 0.0, busy=lambda n: False, now=lambda: 1e9)
+    reaper = Reaper(
+        backend, gateway_id=RUN_ID, last_active=lambda n: 0.0, busy=lambda n: False, now=lambda: 1e9
+    )
     task = asyncio.create_task(reaper.run_forever(interval=0.05))
     try:
         for _ in range(100):

@@ -213,6 +213,17 @@ def _observed(
         devices=0,
         runtime="runc",
         running=True,
+        pids_limit=128,
+        memory=512 * 1024 * 1024,
+        memory_swap=512 * 1024 * 1024,
+        nano_cpus=1_000_000_000,
+        ulimits=(("core", 0, 0), ("nofile", 1024, 1024)),
+        tmpfs_options={},
+        networks=("none",),
+        apparmor_profile="",
+        log_type="none",
+        log_options={},
+        cgroupns_mode="private",
     )
 
 
