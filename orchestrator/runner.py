@@ -33,7 +33,8 @@ from orchestrator.harnesses.base import (
     TurnResult,
 )
 from orchestrator.memory import compose_claude_md, write_session_files
-from orchestrator.store import Conversation, Message, MessageId, SessionId
+from orchestrator.safefs import audit_left_out
+from orchestrator.store import Conversation, ConversationId, Message, MessageId, SessionId
 from orchestrator.store.views import SandboxStore
 from orchestrator.transcripts import (
     append_transcript,
@@ -181,15 +182,18 @@ class TurnRunner:
             archive_enabled=not rt.config.disable_archive,
         )
         await self.bridge.open(scope)
-        system_prompt = await asyncio.to_thread(self.compose, rt, paths.workspace, paths.chat_dir)
+        system_prompt = await asyncio.to_thread(
+            self.compose, rt, paths.workspace, paths.chat_dir, conv.id
+        )
         await asyncio.to_thread(write_session_files, paths.home_dir, system_prompt)
+        d3 = audit_left_out(self.store, conv.id, "D3")
         request = TurnRequest(
             prompt=text,
             system_prompt=system_prompt,
             history=HistoryEntry.parse_many(
-                await asyncio.to_thread(recent_history, paths.chat_dir)
+                await asyncio.to_thread(recent_history, paths.chat_dir, report=d3)
             ),
-            resume_id=await asyncio.to_thread(load_session_id, paths.chat_dir),
+            resume_id=await asyncio.to_thread(load_session_id, paths.chat_dir, report=d3),
             tools=self.bridge.handlers.definitions(scope),
         )
         ctx = SessionContext(
@@ -214,14 +218,20 @@ class TurnRunner:
             )
         return result
 
-    def compose(self, rt: AgentRuntime, workspace: Path, chat_dir: Path) -> str:
-        """M5, M7: the session's CLAUDE.md, composed on the host at spawn."""
+    def compose(
+        self, rt: AgentRuntime, workspace: Path, chat_dir: Path, conversation: ConversationId
+    ) -> str:
+        """M5, M7: the session's CLAUDE.md, composed on the host at spawn.
+
+        A memory file the sandbox replaced with a FIFO, link or directory is
+        left out, logged and audited (R3), never waited on."""
         return compose_claude_md(
             workspace,
             chat_dir,
             self.settings.memory,
             rt.started_isolated,
             not rt.config.disable_archive,
+            report=audit_left_out(self.store, conversation, "M5"),
         )
 
     def save_turn(
@@ -239,6 +249,7 @@ class TurnRunner:
         key = conversation_key(conv)
         chat_dir = rt.sandboxes.app.workspace / "chats" / key.dir_name
         now = self.clock()
+        d3 = audit_left_out(self.store, conv.id, "D3")
         append_transcript(
             chat_dir,
             [
@@ -252,5 +263,6 @@ class TurnRunner:
                     "text": result.reply,
                 },
             ],
+            report=d3,
         )
-        save_session_id(chat_dir, session_id, result.harness_session_id)
+        save_session_id(chat_dir, session_id, result.harness_session_id, report=d3)

@@ -381,7 +381,13 @@ class DockerBackend(SandboxBackend):
             runtime=runtime,
             workdir="/",
         )
-        kwargs = {**create_kwargs(spec), "command": argv, "labels": {LABEL_PROBE: run_id}}
+        kwargs = {
+            **create_kwargs(spec),
+            "command": argv,
+            "labels": {LABEL_PROBE: run_id},
+            # the probe's verdict is its output: a small readable log, removed with it
+            "log_config": {"Type": "json-file", "Config": {"max-size": "64k", "max-file": "1"}},
+        }
         try:
             container = self._client.containers.create(**kwargs)
             container.start()

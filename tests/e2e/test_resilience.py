@@ -24,9 +24,9 @@ import httpx
 import pytest
 
 from sandbox.backends.docker import DockerBackend
-from sandbox.spec import LABEL_APP
 from tests.e2e.conftest import CONFIG_KEY, install_test_app, remove_app_containers
 from tests.support.engine_proxy import engine_proxy
+from tests.support.run_id import run_labels
 from tests.support.served import served_gateway
 
 pytestmark = pytest.mark.docker
@@ -87,7 +87,8 @@ def serve(
 
 
 def app_containers(docker_client: Any, app: str) -> list[Any]:
-    return list(docker_client.containers.list(all=True, filters={"label": f"{LABEL_APP}={app}"}))
+    """This run's containers of `app` (R1: never another gateway's)."""
+    return list(docker_client.containers.list(all=True, filters={"label": run_labels(app)}))
 
 
 def test_R4_three_times_max_sandboxes_new_chats_are_capped_and_answered_politely(
