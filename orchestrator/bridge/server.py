@@ -60,6 +60,7 @@ logger = logging.getLogger(__name__)
 
 SOCKET_NAME = "bridge.sock"
 _ID_MAX = 128
+_THROTTLE_LOG_EVERY = 60.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,7 +86,7 @@ class _Binding:
     active: int = 0
     closed: bool = False
     bucket: Bucket | None = None
-    throttled: bool = False
+    throttle_logged: float | None = None
     tasks: set[asyncio.Task[None]] = field(default_factory=set)
 
 
@@ -249,12 +250,19 @@ class BridgeServer:
                 binding.active -= 1
                 if task is not None:
                     binding.tasks.discard(task)
-        except (ConnectionError, asyncio.IncompleteReadError, TimeoutError):
-            pass  # the client went away, or does not read its answers: nothing to answer
+        except (ConnectionError, asyncio.IncompleteReadError):
+            pass  # the client went away; nothing to answer
+        except TimeoutError:  # it does not read its answers: drop what waits for it
+            writer.transport.abort()
         finally:
             writer.close()
-            with contextlib.suppress(ConnectionError, asyncio.CancelledError):
-                await writer.wait_closed()
+            try:
+                async with asyncio.timeout(self.limits.write_timeout):
+                    await writer.wait_closed()
+            except TimeoutError:
+                writer.transport.abort()
+            except (ConnectionError, asyncio.CancelledError):
+                pass
 
     async def _send(self, writer: asyncio.StreamWriter, doc: JSONObject) -> None:
         """Write one answer; a client that does not read it within `write_timeout` is dropped."""
@@ -290,12 +298,13 @@ class BridgeServer:
 
     def _admit(self, binding: _Binding) -> JSONObject | None:
         """R4: None if the conversation may make one more call now, else the `busy` answer."""
-        decision, binding.bucket = take_call(binding.bucket, self._clock(), self.limits.rate)
+        now = self._clock()
+        decision, binding.bucket = take_call(binding.bucket, now, self.limits.rate)
         if decision:
-            binding.throttled = False
             return None
-        if not binding.throttled:  # once per flood, not once per call
-            binding.throttled = True
+        last = binding.throttle_logged
+        if last is None or now - last >= _THROTTLE_LOG_EVERY:  # a flood is one log line a minute
+            binding.throttle_logged = now
             logger.warning(
                 "bridge calls throttled: %s",
                 decision.reason,
