@@ -43,8 +43,9 @@ def test_R4_a_flood_gets_burst_plus_rate_times_time() -> None:
         decision, bucket = take_call(bucket, i / 1000, RateLimit(per_second=10, burst=40))
         allowed += decision.allowed
     assert 40 + 99 <= allowed <= 40 + 100
-    refused, _ = take_call(bucket, 10.0, RateLimit(per_second=10, burst=40))
-    assert not refused and "at most 10 a second" in refused.reason and "retry in" in refused.reason
+    refused, _ = take_call(Bucket(0.5, 5.0), 5.0, RateLimit(per_second=10, burst=40))
+    assert not refused
+    assert "at most 10 a second" in refused.reason and "retry in 0.1 s" in refused.reason
 
 
 @pytest.mark.parametrize(
