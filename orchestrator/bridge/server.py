@@ -12,10 +12,25 @@ answered in order.
     <- {"id": "c1", "ok": true, "result": {...}}
     <- {"id": "c1", "ok": false, "error": {"code": "refused", "message": "...", "rule": "P1"}}
 
-A request is at most `BridgeLimits.max_request_bytes`; a socket serves at most
-`max_connections` connections at once (the next is answered `busy` and
-closed); a connection idle past `idle_timeout` is closed; a call running past
-`call_timeout` is answered `timeout`. Malformed input is answered, never fatal.
+Bounds (`BridgeLimits`; a sandbox may be hostile, R3, R4):
+
+- a request is at most `max_request_bytes` (256 KiB; the largest honest
+  request, a 16,000-character reply, is under 64 KiB): a longer line is
+  answered `too_large` and the connection closed, having buffered at most
+  that much;
+- once its first byte arrived, a request must end (newline) within
+  `frame_timeout` (10 s), else `timeout` and close: a slow loris holds a
+  connection for seconds, not forever; a connection idle past `idle_timeout`
+  is closed; an answer the client does not read within `write_timeout` closes
+  the connection;
+- a socket (one per conversation) serves at most `max_connections`
+  connections at once; the next is answered `busy` and closed;
+- calls are rate-limited per conversation by a token bucket
+  (`policies.bridge.take_call`, `rate`): a call past it is answered `busy`
+  before its request is parsed, so a flood costs a read and a short write;
+- a call running past `call_timeout` is answered `timeout`.
+
+Malformed input is answered, never fatal.
 """
 
 from __future__ import annotations
@@ -27,7 +42,9 @@ import logging
 import os
 import socket
 import stat
+import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -35,6 +52,7 @@ from typing import Any
 from cellgate.errors import BridgeError, PolicyDenied
 from orchestrator.bridge.scope import BridgeScope, ScopeState
 from orchestrator.bridge.tools import JSONObject, ToolHandlers
+from policies.bridge import Bucket, RateLimit, take_call
 
 __all__ = ["SOCKET_NAME", "BridgeLimits", "BridgeServer"]
 
@@ -42,14 +60,20 @@ logger = logging.getLogger(__name__)
 
 SOCKET_NAME = "bridge.sock"
 _ID_MAX = 128
+_THROTTLE_LOG_EVERY = 60.0
 
 
 @dataclass(frozen=True, slots=True)
 class BridgeLimits:
-    max_request_bytes: int = 1024 * 1024
+    """What one conversation's socket allows (see the module docstring)."""
+
+    max_request_bytes: int = 256 * 1024
     max_connections: int = 16
     idle_timeout: float = 60.0
+    frame_timeout: float = 10.0
+    write_timeout: float = 10.0
     call_timeout: float = 120.0
+    rate: RateLimit = field(default_factory=RateLimit)
 
 
 @dataclass(slots=True)
@@ -61,6 +85,8 @@ class _Binding:
     state: ScopeState = field(default_factory=ScopeState)
     active: int = 0
     closed: bool = False
+    bucket: Bucket | None = None
+    throttle_logged: float | None = None
     tasks: set[asyncio.Task[None]] = field(default_factory=set)
 
 
@@ -75,9 +101,16 @@ def _encode(doc: JSONObject) -> bytes:
 class BridgeServer:
     """Serves `handlers` on one socket per conversation."""
 
-    def __init__(self, handlers: ToolHandlers, limits: BridgeLimits | None = None) -> None:
+    def __init__(
+        self,
+        handlers: ToolHandlers,
+        limits: BridgeLimits | None = None,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.handlers = handlers
         self.limits = limits or BridgeLimits()
+        self._clock = clock
         self._bindings: dict[str, _Binding] = {}
         self._lock = asyncio.Lock()
 
@@ -205,10 +238,8 @@ class BridgeServer:
             if binding.closed:
                 return  # accepted just before the socket closed
             if binding.active >= self.limits.max_connections:
-                writer.write(
-                    _encode(_error(None, "busy", "too many connections to this bridge; retry"))
-                )
-                await writer.drain()
+                busy = _error(None, "busy", "too many connections to this bridge; retry")
+                await self._send(writer, busy)
                 return
             binding.active += 1
             if task is not None:
@@ -221,37 +252,82 @@ class BridgeServer:
                     binding.tasks.discard(task)
         except (ConnectionError, asyncio.IncompleteReadError):
             pass  # the client went away; nothing to answer
+        except TimeoutError:  # it does not read its answers: drop what waits for it
+            writer.transport.abort()
         finally:
             writer.close()
-            with contextlib.suppress(ConnectionError, asyncio.CancelledError):
-                await writer.wait_closed()
+            try:
+                async with asyncio.timeout(self.limits.write_timeout):
+                    await writer.wait_closed()
+            except TimeoutError:
+                writer.transport.abort()
+            except (ConnectionError, asyncio.CancelledError):
+                pass
+
+    async def _send(self, writer: asyncio.StreamWriter, doc: JSONObject) -> None:
+        """Write one answer; a client that does not read it within `write_timeout` is dropped."""
+        writer.write(_encode(doc))
+        async with asyncio.timeout(self.limits.write_timeout):
+            await writer.drain()
+
+    async def _read_request(self, reader: asyncio.StreamReader) -> bytes | JSONObject:
+        """The next request line, b"" at the end, or the error that ends the connection."""
+        limit = self.limits.max_request_bytes
+        try:
+            async with asyncio.timeout(self.limits.idle_timeout):
+                first = await reader.read(1)
+        except TimeoutError:
+            return b""
+        if not first or first == b"\n":
+            return first
+        try:
+            async with asyncio.timeout(self.limits.frame_timeout):
+                rest = await reader.readline()
+        except TimeoutError:
+            message = f"a request must arrive whole within {self.limits.frame_timeout:g} s"
+            return _error(None, "timeout", message)
+        except ValueError:  # the line ran past the StreamReader limit
+            rest = b""
+            too_long = True
+        else:
+            too_long = len(first) + len(rest.rstrip(b"\r\n")) > limit
+        if too_long:
+            message = f"request is over {limit} bytes; send less (files go by path)"
+            return _error(None, "too_large", message)
+        return first + rest  # without a newline: the client ended the frame by closing
+
+    def _admit(self, binding: _Binding) -> JSONObject | None:
+        """R4: None if the conversation may make one more call now, else the `busy` answer."""
+        now = self._clock()
+        decision, binding.bucket = take_call(binding.bucket, now, self.limits.rate)
+        if decision:
+            return None
+        last = binding.throttle_logged
+        if last is None or now - last >= _THROTTLE_LOG_EVERY:  # a flood is one log line a minute
+            binding.throttle_logged = now
+            logger.warning(
+                "bridge calls throttled: %s",
+                decision.reason,
+                extra={"conversation": binding.scope.conversation_id},
+            )
+        return _error(None, "busy", decision.reason, decision.rule)
 
     async def _serve(
         self, binding: _Binding, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
     ) -> None:
-        limit = self.limits.max_request_bytes
         while True:
-            try:
-                async with asyncio.timeout(self.limits.idle_timeout):
-                    line = await reader.readline()
-            except TimeoutError:
-                return
-            except ValueError:  # the line ran past the StreamReader limit
-                message = f"request is over {limit} bytes; send less (files go by path)"
-                writer.write(_encode(_error(None, "too_large", message)))
-                await writer.drain()
+            line = await self._read_request(reader)
+            if isinstance(line, dict):
+                await self._send(writer, line)
                 return
             if not line:
                 return
-            if len(line.rstrip(b"\r\n")) > limit:
-                message = f"request is over {limit} bytes; send less (files go by path)"
-                writer.write(_encode(_error(None, "too_large", message)))
-                await writer.drain()
-                return
             if not line.strip():
                 continue
-            writer.write(_encode(await self._answer(binding, line)))
-            await writer.drain()
+            busy = self._admit(binding)
+            await self._send(
+                writer, busy if busy is not None else await self._answer(binding, line)
+            )
 
     async def _answer(self, binding: _Binding, line: bytes) -> JSONObject:
         try:

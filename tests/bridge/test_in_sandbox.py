@@ -16,6 +16,8 @@ import textwrap
 import pytest
 
 from cellgate.models import OutboundKind
+from orchestrator.bridge import BridgeLimits
+from policies.bridge import RateLimit
 from tests.bridge.conftest import SandboxWorld, chat_id_for
 
 pytestmark = pytest.mark.docker
@@ -112,6 +114,8 @@ async def test_P5_in_sandbox_sends_outside_the_media_dir_are_refused(
 
 async def test_P5_in_sandbox_symlink_swap_race_never_leaks(sandboxed: SandboxWorld) -> None:
     """A loop in the sandbox flips `x` between a file and a symlink to a host secret; 250 sends."""
+    # 250 sends as fast as they go: above the R4 rate (tested in test_bounds), on purpose
+    sandboxed.world.server.limits = BridgeLimits(rate=RateLimit(per_second=1e6, burst=10**6))
     a = await sandboxed.open(chat_id_for("race"))
     b = await sandboxed.open(chat_id_for("victim"))
     marker = f"HOST-SECRET-{secrets.token_hex(8)}"

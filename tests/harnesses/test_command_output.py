@@ -206,9 +206,11 @@ def test_K1_openai_key_is_a_secret_in_config() -> None:
 
 
 def test_H2_build_harness_makes_each_configured_harness() -> None:
+    from orchestrator.bridge.catalogue import BUILTIN_TOOLS
     from orchestrator.gateway import build_harness
+    from orchestrator.harnesses.base import TurnRequest
     from orchestrator.harnesses.command import CommandHarness
-    from orchestrator.harnesses.openai import BRIDGE_TOOLS, OpenAIHarness
+    from orchestrator.harnesses.openai import SANDBOX_TOOLS, OpenAIHarness
     from orchestrator.harnesses.shell import ShellHarness
 
     def agent(harness: dict[str, object], **kw: object) -> AgentConfig:
@@ -227,11 +229,10 @@ def test_H2_build_harness_makes_each_configured_harness() -> None:
         agent({"type": "openai", "baseUrl": "http://127.0.0.1:9/v1", "model": "m", "maxSteps": 3})
     )
     assert isinstance(ai_h, OpenAIHarness) and ai_h.max_steps == 3
-    assert {t.name for t in BRIDGE_TOOLS} <= {t.name for t in ai_h.tools}
+    turn = TurnRequest("hi", tools=BUILTIN_TOOLS)
+    assert ai_h.tools_for(turn) == (*SANDBOX_TOOLS, *BUILTIN_TOOLS)
     quiet = build_harness(
         agent({"type": "openai", "baseUrl": "http://h/v1", "model": "m", "bridgeTools": False})
     )
-    assert isinstance(quiet, OpenAIHarness) and not {t.name for t in BRIDGE_TOOLS} & {
-        t.name for t in quiet.tools
-    }
+    assert isinstance(quiet, OpenAIHarness) and quiet.tools_for(turn) == SANDBOX_TOOLS
     assert isinstance(build_harness(agent({"type": "shell"})), ShellHarness)

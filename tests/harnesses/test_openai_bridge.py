@@ -23,7 +23,8 @@ from orchestrator.bridge import (
     ToolHandlers,
     install_client,
 )
-from orchestrator.harnesses.openai import BRIDGE_TOOLS, OpenAIHarness
+from orchestrator.harnesses.base import TurnRequest
+from orchestrator.harnesses.openai import SANDBOX_TOOLS, OpenAIHarness
 from orchestrator.store import SessionId, Store
 from sandbox.backends.docker import DockerBackend
 from tests.fakes.openai_standin import OpenAIStandin, calls, final, tool_results
@@ -72,10 +73,12 @@ async def test_H2_bridge_tools_go_through_the_conversations_own_socket(
             final("done"),
         )
         harness = OpenAIHarness(base_url=ai.base_url, model="m", api_key=SecretStr(KEY))
-        offered = {t.name for t in harness.tools}
-        assert {t.name for t in BRIDGE_TOOLS} <= offered
-        result = await harness.dispatch(sb.ctx(backend), "hello", {})
+        tools = handlers.definitions(scope)  # what the gateway hands a turn (H1)
+        result = await harness.dispatch(sb.ctx(backend), TurnRequest("hello", tools=tools))
         assert result.ok, result
+        offered = [t["function"]["name"] for t in ai.requests[0].body["tools"]]
+        assert offered == [t.name for t in (*SANDBOX_TOOLS, *tools)]
+        assert {"reply", "task_memory_append", "narrate"} <= set(offered)
         r = tool_results(ai.requests[1].body)
         assert r[0].rstrip().endswith("[exit 0]"), r[0]
         assert "P1" in r[1] and "[exit 1]" in r[1]  # another chat: refused by the gateway
