@@ -128,6 +128,7 @@ class SandboxKeeper:
         if sb is None:
             return
         await self.bridge.close(sb.conversation_id)
+        self.runner.outbox.pending.take(sb.conversation_id)  # nothing waits for these now
         for s in await asyncio.to_thread(self.store.live_sessions, conversation=sb.conversation_id):
             await asyncio.to_thread(self.store.end_session, s.id)
         await asyncio.to_thread(self.store.forget_sandbox, name)

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from orchestrator import config
+from orchestrator.bounded import LruMap
 from orchestrator.harnesses.base import ExecDetail, Harness, SessionContext, TurnRequest, TurnResult
 from orchestrator.harnesses.templates import (
     PLACEHOLDER,
@@ -55,6 +56,9 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+
+# Sessions this process remembers (a cache: the id and history are saved per chat, D3).
+SESSION_CACHE_MAX = 1024
 
 MAX_REPLY_CHARS = 16_000
 _SESSION_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
@@ -165,7 +169,7 @@ class CommandHarness(Harness):
     def __init__(self, template: CommandTemplate, *, timeout_seconds: float = 300.0) -> None:
         self.template = template
         self.timeout_seconds = timeout_seconds
-        self._sessions: dict[Any, str] = {}
+        self._sessions: LruMap[Any, str] = LruMap(SESSION_CACHE_MAX)
         self._reset: set[Any] = set()
 
     @classmethod
@@ -213,7 +217,7 @@ class CommandHarness(Harness):
 
     async def ensure_session(self, ctx: SessionContext) -> str:
         """The harness session id this process knows for the conversation, or "" if none yet."""
-        return self._sessions.get(self._key(ctx), "")
+        return self._sessions.get(self._key(ctx)) or ""
 
     async def _run(
         self, ctx: SessionContext, message: str, session_id: str | None
@@ -253,12 +257,12 @@ class CommandHarness(Harness):
                 code,
                 extra={"conversation": ctx.conversation.digest},
             )
-            self._sessions.pop(key, None)
+            self._sessions.pop(key)
             parsed, code, timed_out, stderr = await self._run(ctx, message, None)
             resumed, retried = False, True
         sid = parsed.session_id or (prior if resumed else None)
         if sid is not None:
-            self._sessions[key] = sid
+            self._sessions.put(key, sid)
             self._reset.discard(key)
         reply = parsed.reply
         if not parsed.ok and not reply.strip():
@@ -276,5 +280,5 @@ class CommandHarness(Harness):
 
     async def reset_session(self, ctx: SessionContext) -> None:
         """Forget the session id; the next turn starts a new session (it ignores `resume_id`)."""
-        self._sessions.pop(self._key(ctx), None)
+        self._sessions.pop(self._key(ctx))
         self._reset.add(self._key(ctx))

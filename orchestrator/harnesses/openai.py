@@ -42,6 +42,7 @@ import httpx
 from pydantic import SecretStr
 
 from orchestrator import config
+from orchestrator.bounded import LruMap
 from orchestrator.bridge.catalogue import ToolDef
 from orchestrator.harnesses.base import (
     Harness,
@@ -63,6 +64,9 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+
+# Sessions this process remembers (a cache: the id and history are saved per chat, D3).
+SESSION_CACHE_MAX = 1024
 
 MAX_TOOL_RESULT_CHARS = 16_000
 MAX_READ_BYTES = 256 * 1024
@@ -178,8 +182,8 @@ class OpenAIHarness(Harness):
         self.system_prompt = system_prompt
         self._transport = transport
         self.bridge_tools = bridge_tools
-        self._sessions: dict[Any, _Session] = {}
-        self._reset: set[Any] = set()
+        self._sessions: LruMap[Any, _Session] = LruMap(SESSION_CACHE_MAX)
+        self._reset: LruMap[Any, bool] = LruMap(SESSION_CACHE_MAX)
         self._handlers: dict[str, Callable[[SessionContext, dict[str, Any]], Any]] = {
             "shell": self._shell,
             "read_file": self._read_file,
@@ -211,7 +215,8 @@ class OpenAIHarness(Harness):
         key = self._key(ctx)
         s = self._sessions.get(key)
         if s is None:
-            s = self._sessions[key] = _Session(uuid.uuid4().hex, [])
+            s = _Session(uuid.uuid4().hex, [])
+            self._sessions.put(key, s)
         return s
 
     def _start(self, ctx: SessionContext, request: TurnRequest) -> _Session:
@@ -222,7 +227,7 @@ class OpenAIHarness(Harness):
             if self._key(ctx) not in self._reset:
                 s.session_id = valid_session_id(request.resume_id) or s.session_id
                 s.messages = _seed_history(request.history)
-            self._reset.discard(self._key(ctx))
+            self._reset.pop(self._key(ctx))
         return s
 
     async def ensure_session(self, ctx: SessionContext) -> str:
@@ -230,8 +235,8 @@ class OpenAIHarness(Harness):
 
     async def reset_session(self, ctx: SessionContext) -> None:
         """Forget the history and id; the next turn ignores a saved `resume_id` and `history`."""
-        self._sessions.pop(self._key(ctx), None)
-        self._reset.add(self._key(ctx))
+        self._sessions.pop(self._key(ctx))
+        self._reset.put(self._key(ctx), True)
 
     def history(self, ctx: SessionContext) -> list[dict[str, Any]]:
         """A copy of the session's messages (no system prompt), e.g. for persisting."""
