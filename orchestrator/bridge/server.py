@@ -88,6 +88,7 @@ class _Binding:
     bucket: Bucket | None = None
     throttle_logged: float | None = None
     tasks: set[asyncio.Task[None]] = field(default_factory=set)
+    writers: set[asyncio.StreamWriter] = field(default_factory=set)
 
 
 def _error(call_id: Any, code: str, message: str, rule: str | None = None) -> JSONObject:
@@ -216,6 +217,8 @@ class BridgeServer:
     async def _shutdown(self, binding: _Binding) -> None:
         binding.closed = True
         binding.server.close()
+        for writer in list(binding.writers):
+            writer.transport.abort()  # every connection ends with its bridge
         for task in list(binding.tasks):
             task.cancel()
         if binding.tasks:
@@ -234,6 +237,7 @@ class BridgeServer:
         self, binding: _Binding, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
     ) -> None:
         task = asyncio.current_task()
+        binding.writers.add(writer)
         try:
             if binding.closed:
                 return  # accepted just before the socket closed
@@ -254,7 +258,12 @@ class BridgeServer:
             pass  # the client went away; nothing to answer
         except TimeoutError:  # it does not read its answers: drop what waits for it
             writer.transport.abort()
+        except asyncio.CancelledError:
+            # the bridge is closing: end the connection here rather than hand the
+            # cancellation to asyncio's callback, which would leave its transport open
+            writer.transport.abort()
         finally:
+            binding.writers.discard(writer)
             writer.close()
             try:
                 async with asyncio.timeout(self.limits.write_timeout):

@@ -64,7 +64,8 @@ def _container(gw: Gateway, docker_client: Any) -> Any:
     agent = _agent(gw)
     rt = gw.agents[agent]
     assert rt.app is not None
-    name = sandbox_name(rt.app.name, ConversationKey(agent, "api", CHAT).digest)
+    digest = ConversationKey(agent, "api", CHAT).digest
+    name = sandbox_name(rt.app.name, digest, gateway=gw.gateway_id)
     return docker_client.containers.get(name)
 
 
