@@ -1,0 +1,90 @@
+"""O2: `/metrics` in the Prometheus text format, admin-only, after real turns on a real engine."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from orchestrator.metrics import Metrics
+from tests.ops.conftest import TOOL, OpsGateway
+
+
+def scrape(ops: OpsGateway) -> dict[str, list[tuple[dict[str, str], float]]]:
+    r = httpx.get(
+        f"{ops.url}/metrics", headers={"Authorization": f"Bearer {ops.admin_key}"}, timeout=30
+    )
+    assert r.status_code == 200, r.text
+    assert r.headers["content-type"].startswith("text/plain")
+    out: dict[str, list[tuple[dict[str, str], float]]] = {}
+    for family in text_string_to_metric_families(r.text):
+        for s in family.samples:
+            out.setdefault(s.name, []).append((dict(s.labels), s.value))
+    return out
+
+
+def value(series: dict[str, list[tuple[dict[str, str], float]]], name: str, **labels: str) -> float:
+    return sum(v for lab, v in series.get(name, []) if labels.items() <= lab.items())
+
+
+def test_o2_metrics_need_an_admin_key(ops: OpsGateway) -> None:
+    assert httpx.get(f"{ops.url}/metrics", timeout=30).status_code == 401
+    r = httpx.get(
+        f"{ops.url}/metrics", headers={"Authorization": f"Bearer {ops.user_key}"}, timeout=30
+    )
+    assert r.status_code == 403
+
+
+def test_o2_metrics_after_real_turns(ops: OpsGateway) -> None:
+    secret_chat = "metrics-chat-7f3a"
+    secret_text = "echo metrics-private-text-91c2"
+    assert ops.say(secret_chat, secret_text).status_code == 200
+    assert ops.say("metrics-other", "echo hi").status_code == 200
+    # a refusal: the bridge refuses a reply into another chat (P1)
+    r = ops.say(secret_chat, f'{TOOL} reply \'{{"text": "x", "chat_id": "elsewhere"}}\'')
+    assert r.status_code == 200
+    m = scrape(ops)
+    assert value(m, "cellgate_turns_total", agent=ops.agent, channel="api", outcome="ok") >= 3
+    assert value(m, "cellgate_sandboxes_live", agent=ops.agent) >= 2
+    assert value(m, "cellgate_refusals_total", rule="P1", action="reply") >= 1
+    for stage in ("sandbox_ensure", "harness"):
+        assert value(m, "cellgate_turn_stage_seconds_count", agent=ops.agent, stage=stage) >= 3
+    assert value(m, "cellgate_turn_queue_wait_seconds_count", agent=ops.agent) >= 3
+    assert value(m, "cellgate_turn_seconds_sum", agent=ops.agent) > 0
+    assert value(m, "cellgate_channel_deliveries_total", channel="api", outcome="ok") >= 3
+    assert "cellgate_queue_depth" in m
+    assert value(m, "cellgate_event_loop_lag_seconds_count") >= 1  # the watcher runs
+    # no chat id, message text or key in any label
+    every_label = " ".join(
+        f"{k}={v}" for samples in m.values() for labels, _ in samples for k, v in labels.items()
+    )
+    for needle in (secret_chat, "metrics-private-text", ops.admin_key, ops.user_key, "elsewhere"):
+        assert needle not in every_label
+    # reaping counts: remove one live sandbox through the gateway's own path
+    name = next(sb.name for sb in ops.gateway.store.sandboxes() if sb.agent == ops.agent)
+    assert ops.on_loop(ops.gateway.sandboxes.evict(name)) is True
+    after = scrape(ops)
+    assert value(after, "cellgate_sandboxes_reaped_total", agent=ops.agent) >= 1
+    assert (
+        value(after, "cellgate_sandboxes_live", agent=ops.agent)
+        == value(m, "cellgate_sandboxes_live", agent=ops.agent) - 1
+    )
+
+
+async def test_o2_event_loop_lag_is_measured(tmp_path: Path) -> None:
+    metrics = Metrics(tmp_path / "none.sqlite3")
+    task = asyncio.create_task(metrics.watch_loop(0.05))
+    await asyncio.sleep(0.08)
+    time.sleep(0.3)  # block the loop, as a synchronous call would
+    await asyncio.sleep(0.1)
+    task.cancel()
+    samples = {
+        s.name: s.value
+        for f in text_string_to_metric_families(metrics.render().decode())
+        for s in f.samples
+    }
+    assert samples["cellgate_event_loop_lag_seconds_count"] >= 1
+    assert samples["cellgate_event_loop_lag_seconds_sum"] >= 0.2
