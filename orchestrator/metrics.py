@@ -167,6 +167,9 @@ class Metrics:
             except EngineUnavailable:
                 outcome = "engine_unavailable"
                 raise
+            except asyncio.CancelledError:
+                outcome = "cancelled"
+                raise
             finally:
                 self.turns.labels(conv.agent, conv.channel, outcome).inc()
                 self.turn_seconds.labels(conv.agent, conv.channel).observe(

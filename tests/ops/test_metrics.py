@@ -88,3 +88,60 @@ async def test_o2_event_loop_lag_is_measured(tmp_path: Path) -> None:
     }
     assert samples["cellgate_event_loop_lag_seconds_count"] >= 1
     assert samples["cellgate_event_loop_lag_seconds_sum"] >= 0.2
+
+
+async def test_o2_deliveries_retries_and_outcomes_through_a_real_turn_loop(tmp_path: Path) -> None:
+    from cellgate.models import ConversationKey
+    from orchestrator.store import Conversation, Message, MessageState, Reply, Store
+    from orchestrator.turns import TurnAnswer, TurnLoop
+
+    store = Store.open(tmp_path)
+    metrics = Metrics(store.path)
+    calls: list[str] = []
+
+    async def answer(conv: Conversation, message: Message) -> TurnAnswer:
+        if message.text == "boom":
+            raise RuntimeError("harness crashed")
+        return TurnAnswer(True, "hi")
+
+    async def flaky_channel(conv: Conversation, reply: Reply) -> None:
+        calls.append(reply.outbound_key)
+        if len(calls) == 1:
+            raise ConnectionError("the platform is away")
+
+    loop = TurnLoop(
+        store,
+        metrics.turn(answer),
+        metrics.delivery(flaky_channel),
+        bound=2,
+        retry_pause=0.05,
+    )
+    conv = store.upsert_conversation(ConversationKey("shop-bot", "telegram", "4242"))
+    first, _ = store.accept_message(conv.id, "m1", sender="u1", text="hello")
+    second, _ = store.accept_message(conv.id, "m2", sender="u1", text="boom")
+    loop.wake(conv.id)
+    for _ in range(200):
+        states = [store.get_message(m.id).state for m in (first, second)]  # type: ignore[union-attr]
+        if states == [MessageState.DELIVERED, MessageState.DELIVERED]:
+            break
+        await asyncio.sleep(0.05)
+    await loop.close()
+    samples = [
+        (s.name, dict(s.labels), s.value)
+        for f in text_string_to_metric_families(metrics.render().decode())
+        for s in f.samples
+    ]
+    store.close()
+
+    def get(name: str, **labels: str) -> float:
+        return sum(v for n, lab, v in samples if n == name and labels.items() <= lab.items())
+
+    assert get("cellgate_turns_total", agent="shop-bot", channel="telegram", outcome="ok") == 1
+    # a crashed turn is answered with a reference (R6): counted as `error`, audited as R6
+    assert get("cellgate_turns_total", agent="shop-bot", outcome="error") == 1
+    assert get("cellgate_refusals_total", rule="R6", action="turn") == 1
+    assert get("cellgate_channel_deliveries_total", channel="telegram", outcome="error") == 1
+    assert get("cellgate_channel_deliveries_total", channel="telegram", outcome="ok") == 2
+    assert get("cellgate_channel_delivery_retries_total", channel="telegram") == 1
+    assert get("cellgate_queue_depth", state="accepted") == 0
+    assert all("4242" not in v for _, lab, _ in samples for v in lab.values())
