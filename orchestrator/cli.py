@@ -1,4 +1,4 @@
-"""`cellgate`: serve, demo, apps install, keys."""
+"""`cellgate`: serve, demo, doctor, apps install, keys."""
 
 from __future__ import annotations
 
@@ -152,6 +152,14 @@ def _cmd_keys_revoke(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_doctor(args: argparse.Namespace) -> int:
+    from orchestrator.doctor import failed, render_json, render_table, run_checks
+
+    checks = run_checks(Path(args.config) if args.config else None)
+    print(render_json(checks) if args.json else render_table(checks))
+    return 1 if failed(checks) else 0
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="cellgate", description=__doc__)
     p.add_argument("-v", "--verbose", action="store_true", help="log at DEBUG")
@@ -168,6 +176,11 @@ def parser() -> argparse.ArgumentParser:
     d.add_argument("--base-image", default=os.environ.get("CELLGATE_BASE_IMAGE"))
     d.add_argument("--once", action="store_true", help="play a short tour and exit")
     d.set_defaults(func=_cmd_demo)
+
+    dr = sub.add_parser("doctor", help="check that the gateway can start here (O4)")
+    dr.add_argument("--config", default=None, help="the gateway config file to check")
+    dr.add_argument("--json", action="store_true", help="machine-readable output")
+    dr.set_defaults(func=_cmd_doctor)
 
     a = sub.add_parser("apps", help="manage apps")
     asub = a.add_subparsers(dest="apps_command", required=True)

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
+import stat
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -282,9 +284,18 @@ def load_config(path: Path) -> GatewayConfig:
 
 
 def write_config_document(path: Path, doc: dict[str, Any]) -> None:
-    """Write atomically: a crash never leaves half a config."""
+    """Write atomically: a crash never leaves half a config. The file holds secrets: a new
+    one is 0600 and a rewrite keeps the mode it had (O4)."""
+    try:
+        mode = stat.S_IMODE(path.stat().st_mode)
+    except FileNotFoundError:
+        mode = 0o600
     tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")
+    tmp.unlink(missing_ok=True)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "w", encoding="utf-8") as fh:
+        os.fchmod(fh.fileno(), mode)
+        fh.write(json.dumps(doc, indent=2) + "\n")
     tmp.replace(path)
 
 

@@ -35,6 +35,7 @@ from orchestrator.delivery import GatewayOutbox, ReplyDelivery
 from orchestrator.harnesses.base import TurnResult
 from orchestrator.heartbeats import Heartbeats
 from orchestrator.intake import Intake
+from orchestrator.metrics import Metrics
 from orchestrator.runner import TurnRunner, session_env
 from orchestrator.sandbox_keeper import SandboxKeeper
 from orchestrator.store import Message, Store
@@ -71,6 +72,7 @@ class Gateway:
         self.store = store or Store.open(settings.state_dir, clock=clock)
         self.gateway_id = load_gateway_id(settings.state_dir)  # R1: what this gateway owns
         self.agents = Agents.load(config.agents, settings, backend, self.gateway_id)
+        self.metrics = Metrics(self.store.path, clock)  # O2
         self.channels: dict[str, Channel] = {}
         self.outbox = GatewayOutbox(self.channels)
         tools = BuiltinTools(self.outbox, self.store, settings.state_dir / "bridge-spool")
@@ -78,11 +80,12 @@ class Gateway:
         self.runner = TurnRunner(
             settings, self.agents, self.store, backend, self.bridge, self.outbox, clock=clock
         )
+        self.runner.observe = self.metrics.observe
         bound = settings.max_concurrent_turns
         self.loop = TurnLoop(
             self.store,
-            self.runner.run,
-            ReplyDelivery(self.channels),
+            self.metrics.turn(self.runner.run),
+            self.metrics.delivery(ReplyDelivery(self.channels)),
             bound=bound,
             per_sender=settings.admission.turns_per_sender or max(1, bound // 2),
             turn_timeout=settings.turn_timeout_seconds + 60,
@@ -105,6 +108,7 @@ class Gateway:
             self.bridge,
             clock=clock,
         )
+        self.sandboxes.on_removed = self.metrics.reaped
         self.runner.gate = SandboxGate(
             settings.limits.max_sandboxes or default_max_sandboxes(settings.limits.memory_mb),
             self.sandboxes.live,
@@ -141,6 +145,7 @@ class Gateway:
         self._background += [
             asyncio.create_task(supervised("reaper", lambda: self.run_reaper(reaper_interval))),
             asyncio.create_task(supervised("heartbeats", self.run_heartbeats)),
+            asyncio.create_task(supervised("loop-lag", self.metrics.watch_loop)),
         ]
 
     async def close(self) -> None:

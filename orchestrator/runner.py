@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +34,7 @@ from orchestrator.harnesses.base import (
     TurnResult,
 )
 from orchestrator.memory import compose_claude_md, write_session_files
+from orchestrator.metrics import Stage
 from orchestrator.safefs import audit_left_out
 from orchestrator.store import Conversation, ConversationId, Message, MessageId, SessionId
 from orchestrator.store.views import SandboxStore
@@ -112,6 +114,7 @@ class TurnRunner:
         self.outbox = outbox
         self.clock = clock
         self.outcomes = Outcomes()
+        self.observe: Callable[[Stage, str, float], None] = lambda *_: None  # metrics (O2)
 
     async def session_for(self, conv: Conversation, rt: AgentRuntime) -> SessionId:
         """The conversation's live session, or a new one."""
@@ -159,7 +162,9 @@ class TurnRunner:
         if self.gate is not None:
             await self.gate.make_room(conv.id)  # R4: the sandbox cap
         try:
+            started = time.perf_counter()
             prepared = await rt.sandboxes.ensure(key, session_id)
+            self.observe("sandbox_ensure", conv.agent, time.perf_counter() - started)
             sandbox.append(prepared.handle.name)
             await asyncio.to_thread(
                 self.store.record_sandbox,
@@ -205,12 +210,15 @@ class TurnRunner:
             workdir=prepared.spec.workdir,
         )
         timeout = self.settings.turn_timeout_seconds
+        started = time.perf_counter()
         try:
             async with asyncio.timeout(timeout):
                 await rt.harness.ensure_session(ctx)
                 result = await rt.harness.dispatch(ctx, request)
         except TimeoutError as exc:
             raise TurnTimeout(timeout) from exc
+        finally:
+            self.observe("harness", conv.agent, time.perf_counter() - started)
         sent = self.outbox.pending.take(conv.id)
         if sent:
             result = dataclasses.replace(

@@ -57,6 +57,7 @@ class SandboxKeeper:
         self.runner = runner
         self.bridge = bridge
         self.clock = clock
+        self.on_removed: Callable[[str], None] = lambda agent: None  # metrics (O2)
 
     async def reconcile(self) -> int:
         """Remove this gateway's containers whose conversation is unknown or whose spec is stale."""
@@ -132,6 +133,7 @@ class SandboxKeeper:
         for s in await asyncio.to_thread(self.store.live_sessions, conversation=sb.conversation_id):
             await asyncio.to_thread(self.store.end_session, s.id)
         await asyncio.to_thread(self.store.forget_sandbox, name)
+        self.on_removed(sb.agent)
 
     async def live(self) -> list[LiveSandbox]:
         """This gateway's sandboxes as the store knows them, with whether a turn is in one."""

@@ -6,6 +6,7 @@ here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 repo="$(cd "$here/.." && pwd)"
 # shellcheck source=bootstrap.sh
 source "$here/bootstrap.sh"
+bash "$here/setup-browser.sh" >/dev/null  # the dashboard's test drives headless Chromium (O3)
 cd "$repo"
 bin="$(dirname "$CELLGATE_PY")"
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from fastapi import FastAPI
 
-from orchestrator.api import artifacts, chat, chats, keys, media, shares
+from orchestrator.api import artifacts, chat, chats, dashboard, keys, media, metrics, shares
 from orchestrator.api.context import ApiContext
 from orchestrator.api.errors import install_error_handlers
 from orchestrator.api.pathguard import PathGuard
@@ -38,6 +38,6 @@ def create_app(gateway: Gateway) -> FastAPI:
     async def healthz() -> dict[str, str]:
         return {"status": "ok"}
 
-    for module in (chat, chats, media, shares, artifacts, keys):
+    for module in (chat, chats, media, shares, artifacts, keys, metrics, dashboard):
         app.include_router(module.router)
     return app
