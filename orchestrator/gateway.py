@@ -30,6 +30,8 @@ from channels.base import Channel
 from orchestrator.admission import MessageGate, SandboxGate, default_max_sandboxes
 from orchestrator.agents import AgentRuntime, Agents, build_harness
 from orchestrator.bridge import BridgeServer, BuiltinTools, StoreRefusals, ToolHandlers
+from orchestrator.bridge.telegram_tools import TelegramTools
+from orchestrator.channel_hub import ChannelInbox, ChannelKey, build_channels
 from orchestrator.config import GatewayConfig
 from orchestrator.delivery import GatewayOutbox, ReplyDelivery
 from orchestrator.harnesses.base import DispatchResult
@@ -68,10 +70,11 @@ class Gateway:
         self.clock = clock
         self.store = store or Store.open(settings.state_dir, clock=clock)
         self.agents = Agents.load(config.agents, settings, backend)
-        self.channels: dict[str, Channel] = {}
+        self.channels: dict[ChannelKey, Channel] = build_channels(config, self.store)
         self.outbox = GatewayOutbox(self.channels)
         tools = BuiltinTools(self.outbox, self.store, settings.state_dir / "bridge-spool")
-        self.bridge = BridgeServer(tools.install(ToolHandlers(refusals=StoreRefusals(self.store))))
+        handlers = tools.install(ToolHandlers(refusals=StoreRefusals(self.store)))
+        self.bridge = BridgeServer(TelegramTools(tools, self.channels).install(handlers))
         self.runner = TurnRunner(
             settings, self.agents, self.store, backend, self.bridge, self.outbox, clock=clock
         )
@@ -90,6 +93,7 @@ class Gateway:
             self.loop,
             MessageGate(settings.admission, self.store, clock=clock),
         )
+        self.inbox = ChannelInbox(self.agents, self.store, self.intake, self.loop, self.channels)
         self.heartbeats = Heartbeats(self.agents, self.store, self.loop, self.runner, clock=clock)
         self.sandboxes = SandboxKeeper(
             settings,
@@ -118,6 +122,8 @@ class Gateway:
             return
         self._started = True
         await self.sandboxes.reconcile()
+        for channel in self.channels.values():  # W1: before recovery delivers replies
+            await channel.start(self.inbox)
         await self.loop.recover()
 
     def start_background(self, reaper_interval: float = 60.0) -> None:
@@ -132,7 +138,10 @@ class Gateway:
             task.cancel()
         await asyncio.gather(*self._background, return_exceptions=True)
         self._background.clear()
+        await self.inbox.close()
         await self.loop.close()
+        for channel in self.channels.values():
+            await channel.stop()
         await self.bridge.close_all()
         await self.backend.close()
         self.store.close()
