@@ -61,7 +61,9 @@ def make_channel(tg: TelegramStandin, store: Store, **kw: object) -> TelegramCha
 
 
 @pytest.fixture
-async def channel(tg: TelegramStandin, store: Store) -> AsyncIterator[tuple[TelegramChannel, Inbox]]:
+async def channel(
+    tg: TelegramStandin, store: Store
+) -> AsyncIterator[tuple[TelegramChannel, Inbox]]:
     ch = make_channel(tg, store)
     inbox = Inbox()
     ch._on_message = inbox  # no poll task here: the tests call poll_once themselves

@@ -194,9 +194,9 @@ class TelegramStandin:
         return self.queue(self.user_update(chat_id, text, **kw))
 
     def post_to_webhook(
-        self, update: dict[str, Any], secret: str | None | bool = True
+        self, update: dict[str, Any], secret: str | bool | None = True
     ) -> httpx.Response:
-        """POST an update to the registered webhook as Telegram does (secret: True = the set one)."""
+        """POST an update to the webhook as Telegram does (secret True: the one it was given)."""
         assert self.webhook_url, "no webhook set"
         headers = {"Content-Type": "application/json"}
         value = self.webhook_secret if secret is True else secret
@@ -304,22 +304,22 @@ class TelegramStandin:
         result: Response = await handler(params, files)
         return result
 
-    async def _m_getMe(self, params: dict[str, Any], files: dict[str, bytes]) -> Response:  # noqa: N802
+    async def _m_getMe(self, params: dict[str, Any], files: dict[str, bytes]) -> Response:
         return _ok(self._bot_user())
 
-    async def _m_setWebhook(self, params: dict[str, Any], files: dict[str, bytes]) -> Response:  # noqa: N802
+    async def _m_setWebhook(self, params: dict[str, Any], files: dict[str, bytes]) -> Response:
         with self._lock:
             self.webhook_url = params.get("url") or None
             self.webhook_secret = params.get("secret_token")
         return _ok(True)
 
-    async def _m_deleteWebhook(self, params: dict[str, Any], files: dict[str, bytes]) -> Response:  # noqa: N802
+    async def _m_deleteWebhook(self, params: dict[str, Any], files: dict[str, bytes]) -> Response:
         with self._lock:
             self.webhook_url = None
             self.webhook_secret = None
         return _ok(True)
 
-    async def _m_getUpdates(self, params: dict[str, Any], files: dict[str, bytes]) -> Response:  # noqa: N802
+    async def _m_getUpdates(self, params: dict[str, Any], files: dict[str, bytes]) -> Response:
         if self.webhook_url:
             return _error(409, "Conflict: can't use getUpdates method while webhook is active")
         offset = int(params.get("offset") or 0)
@@ -346,7 +346,7 @@ class TelegramStandin:
             self.posted.append(p)
         return _ok(self._message_json(p))
 
-    async def _m_sendMessage(self, params: dict[str, Any], files: dict[str, bytes]) -> Response:  # noqa: N802
+    async def _m_sendMessage(self, params: dict[str, Any], files: dict[str, bytes]) -> Response:
         chat = self._check_chat(params)
         if isinstance(chat, Response):
             return chat
@@ -372,13 +372,13 @@ class TelegramStandin:
             chat, kind, text=caption, data=files[kind], file_name=params.get(f"{kind}__name", "")
         )
 
-    async def _m_sendPhoto(self, params: dict[str, Any], files: dict[str, bytes]) -> Response:  # noqa: N802
+    async def _m_sendPhoto(self, params: dict[str, Any], files: dict[str, bytes]) -> Response:
         return await self._send_media("photo", params, files)
 
-    async def _m_sendDocument(self, params: dict[str, Any], files: dict[str, bytes]) -> Response:  # noqa: N802
+    async def _m_sendDocument(self, params: dict[str, Any], files: dict[str, bytes]) -> Response:
         return await self._send_media("document", params, files)
 
-    async def _m_sendChatAction(self, params: dict[str, Any], files: dict[str, bytes]) -> Response:  # noqa: N802
+    async def _m_sendChatAction(self, params: dict[str, Any], files: dict[str, bytes]) -> Response:
         chat = self._check_chat(params)
         return chat if isinstance(chat, Response) else _ok(True)
 
@@ -389,7 +389,7 @@ class TelegramStandin:
                 None,
             )
 
-    async def _m_setMessageReaction(  # noqa: N802
+    async def _m_setMessageReaction(
         self, params: dict[str, Any], files: dict[str, bytes]
     ) -> Response:
         chat = self._check_chat(params)
@@ -401,7 +401,7 @@ class TelegramStandin:
             target.reactions += emojis
         return _ok(True)
 
-    async def _m_editMessageText(self, params: dict[str, Any], files: dict[str, bytes]) -> Response:  # noqa: N802
+    async def _m_editMessageText(self, params: dict[str, Any], files: dict[str, bytes]) -> Response:
         chat = self._check_chat(params)
         if isinstance(chat, Response):
             return chat
@@ -411,7 +411,7 @@ class TelegramStandin:
         target.edits.append(str(params["text"]))
         return _ok(self._message_json(target))
 
-    async def _m_getFile(self, params: dict[str, Any], files: dict[str, bytes]) -> Response:  # noqa: N802
+    async def _m_getFile(self, params: dict[str, Any], files: dict[str, bytes]) -> Response:
         file_id = str(params.get("file_id", ""))
         with self._lock:
             found = self.files.get(file_id)
