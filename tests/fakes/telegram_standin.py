@@ -244,16 +244,16 @@ class TelegramStandin:
         if ctype.startswith("application/json"):
             raw = await request.body()
             return (json.loads(raw) if raw else {}), files
-        form = await request.form()
-        for k, v in form.multi_items():
-            if isinstance(v, UploadFile):
-                files[k] = await v.read()
-                params[k] = f"attach://{k}"
-                params[f"{k}__name"] = v.filename or ""
-            elif k in _JSON_FIELDS:
-                params[k] = json.loads(v)
-            else:
-                params[k] = v
+        async with request.form() as form:
+            for k, v in form.multi_items():
+                if isinstance(v, UploadFile):
+                    files[k] = await v.read()
+                    params[k] = f"attach://{k}"
+                    params[f"{k}__name"] = v.filename or ""
+                elif k in _JSON_FIELDS:
+                    params[k] = json.loads(v)
+                else:
+                    params[k] = v
         return params, files
 
     def _bot_user(self) -> dict[str, Any]:
