@@ -49,7 +49,7 @@ from telegram import Bot, Message, ReactionTypeEmoji, Update
 from telegram.error import BadRequest, Forbidden, NetworkError, RetryAfter, TelegramError
 from telegram.request import HTTPXRequest
 
-from cellgate.errors import Throttled
+from cellgate.errors import CellgateError, StoreError, Throttled
 from cellgate.models import (
     Attachment,
     DeliveryReceipt,
@@ -86,6 +86,7 @@ HELP_TEXT = (
     "/reset starts a fresh session in this chat (your files stay).\n"
     "/help shows this text."
 )
+UNAVAILABLE_TEXT = "this bot cannot answer right now; please try again later"
 RESET_TEXT = "Session reset: the next message starts a fresh session in this chat."
 
 
@@ -425,9 +426,15 @@ class TelegramChannel(Channel):
         try:
             await self._on_message(message)
         except Throttled as exc:
-            await self._notice(message.chat_id, exc)
+            await self._notice(message.chat_id, exc.public)
+        except StoreError:
+            raise  # not stored: not acknowledged either, so Telegram sends it again
+        except CellgateError as exc:
+            # the agent cannot take it (e.g. not installed): say so once, acknowledge it
+            logger.warning("telegram update for agent %s not taken: %s", self.agent, exc)
+            await self._notice(message.chat_id, exc.public or UNAVAILABLE_TEXT)
 
-    async def _notice(self, chat_id: str, exc: Throttled) -> None:
+    async def _notice(self, chat_id: str, text: str) -> None:
         """R4: tell a flooding chat once per window; the flood itself is not stored."""
         now = self._clock()
         last = self._notices.get(chat_id)
@@ -437,9 +444,9 @@ class TelegramChannel(Channel):
         self._notices.move_to_end(chat_id)
         while len(self._notices) > _NOTICE_MAX:
             self._notices.popitem(last=False)
-        text = f"⏳ {exc.public}"
-        with contextlib.suppress(ChatBlocked, ChannelFailed):
-            await self._call(chat_id, lambda: self.bot.send_message(int(chat_id), text))
+        # best effort and never waiting: a flood must not hold up the updates behind it
+        with contextlib.suppress(TelegramError):
+            await self.bot.send_message(int(chat_id), f"⏳ {text}")
 
     # -- outbound --------------------------------------------------------------
 

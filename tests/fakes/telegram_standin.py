@@ -61,6 +61,7 @@ class Posted:
     reply_to: int | None = None
     edits: list[str] = field(default_factory=list)
     reactions: list[str] = field(default_factory=list)
+    at: float = field(default_factory=time.time)  # when Telegram accepted it
 
 
 def _error(code: int, description: str, **parameters: Any) -> JSONResponse:
