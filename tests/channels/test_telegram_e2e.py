@@ -20,6 +20,7 @@ import httpx
 import pytest
 
 from cellgate.models import ConversationKey
+from channels.telegram import RESET_TEXT, TYPING_EVERY
 from orchestrator.config import read_config_document, write_config_document
 from orchestrator.gateway import Gateway
 from orchestrator.store import conversation_id
@@ -37,6 +38,7 @@ TOKEN = "424242:e2eTokenSecretValueXYZ0123456789abcdefgh"
 # built in the sandbox from two halves, so no command text ever holds the whole token
 NEEDLE_SH = "N=\"$(printf '%s' 'e2eTokenSecret')ValueXYZ\""
 TOOL = "python3 /run/cellgate/cellgate-tool"
+TYPING_EVERY_S = TYPING_EVERY
 
 
 @dataclass
@@ -298,3 +300,55 @@ def test_P1_P5_bridge_tools_post_into_this_chat_only(world: World) -> None:
     assert "P1" in final and "P5" in final
     files = [m for m in world.tg.messages(chat) if m.kind == "photo"]
     assert [(f.data, f.text) for f in files] == [(b"pic\n", "a pic")]
+
+
+def test_W2_a_right_secret_with_a_bad_body_is_refused_and_nothing_stored(world: World) -> None:
+    hook = str(world.tg.webhook_url)
+    secret = {"X-Telegram-Bot-Api-Secret-Token": str(world.tg.webhook_secret)}
+    assert httpx.post(hook, content=b"not json", headers=secret).status_code == 400
+    assert httpx.post(hook, json={"message": {}}, headers=secret).status_code == 400
+    assert httpx.post(hook, json=[1, 2], headers=secret).status_code == 400
+    big = b'{"update_id": 1, "pad": "' + b"x" * (1024 * 1024) + b'"}'
+    assert httpx.post(hook, content=big, headers=secret).status_code == 413
+    # an update the bot does not answer (a member joined): acknowledged, nothing stored
+    service = {"update_id": 999001, "message": {"message_id": 1, "date": 1,
+               "chat": {"id": 910012, "type": "group", "title": "g"},
+               "new_chat_members": [{"id": 5, "is_bot": False, "first_name": "x"}]}}  # fmt: skip
+    assert world.tg.post_to_webhook(service).status_code == 200
+    time.sleep(0.5)
+    assert world.messages_of(910012) == 0
+
+
+def test_W4_typing_shows_while_the_turn_runs(world: World) -> None:
+    chat = 910013
+    world.say(chat, "sleep 6; echo slept")
+    assert world.answers(chat)[0].startswith("slept")
+    typing = [
+        c
+        for c in world.tg.calls_of("sendChatAction")
+        if c.params.get("chat_id") == str(chat) and c.params.get("action") == "typing"
+    ]
+    assert len(typing) >= 2, "repeated while the turn ran"
+    time.sleep(TYPING_EVERY_S + 1)
+    again = [c for c in world.tg.calls_of("sendChatAction") if c.params.get("chat_id") == str(chat)]
+    assert len(again) == len(typing), "and stopped once it was answered"
+
+
+def test_reset_ends_this_chats_session_only(world: World) -> None:
+    x, y = 910014, 910015
+    world.say(x, "echo x1")
+    world.say(y, "echo y1")
+    world.answers(x)
+    world.answers(y)
+    conv_x = conversation_id(ConversationKey(AGENT, "telegram", str(x)))
+    conv_y = conversation_id(ConversationKey(AGENT, "telegram", str(y)))
+    [sx] = world.gw.store.live_sessions(conversation=conv_x)
+    [sy] = world.gw.store.live_sessions(conversation=conv_y)
+    world.say(x, "/reset")
+    assert world.answers(x, 2)[1] == RESET_TEXT
+    assert world.gw.store.live_sessions(conversation=conv_x) == []
+    assert [s.id for s in world.gw.store.live_sessions(conversation=conv_y)] == [sy.id]
+    world.say(x, "echo x2")
+    assert world.answers(x, 3)[2].startswith("x2")
+    [new] = world.gw.store.live_sessions(conversation=conv_x)
+    assert new.id != sx.id
