@@ -19,9 +19,11 @@ there; the tool answers with the path inside the sandbox.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import os
 import stat
+from collections import OrderedDict
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -34,6 +36,7 @@ __all__ = ["TelegramTools", "write_new_media_file"]
 
 MODULE = "telegram"
 _NAME_TRIES = 100
+_DOWNLOADS_KEPT = 4096  # (conversation, file_id) -> the name it was saved under
 _CHAT = "omit: this conversation's chat (the only one allowed)"
 
 
@@ -91,12 +94,23 @@ def write_new_media_file(media_dir: Path, name: str, data: bytes) -> str:
     raise BridgeError("download_failed", f"no free name for {name!r} in the media directory")
 
 
+def _still_there(media_dir: Path, name: str, size: int) -> bool:
+    """Is `name` in the media directory still a regular file of `size` bytes (no link)?"""
+    with contextlib.suppress(OSError):
+        st = os.lstat(media_dir / name)
+        return stat.S_ISREG(st.st_mode) and st.st_size == size
+    return False
+
+
 class TelegramTools:
     """Registers the `telegram` module over the standard tools and the Telegram channels."""
 
     def __init__(self, builtin: BuiltinTools, channels: Mapping[tuple[str, str], Channel]) -> None:
         self.builtin = builtin
         self.channels = channels
+        # W6: a file asked for again is not fetched and written again while its copy is
+        # there, so repeating a call cannot fill the disk; only new files of the chat can
+        self._saved: OrderedDict[tuple[str, str], tuple[str, int]] = OrderedDict()
 
     def install(self, handlers: ToolHandlers) -> ToolHandlers:
         reg = handlers.register
@@ -196,6 +210,12 @@ class TelegramTools:
                 "telegram_download_attachment accepts only a file_id delivered in this chat "
                 "(one of its newest 200)",
             )
+        media = call.scope.paths.media_dir
+        key = (call.scope.conversation_id, file_id)
+        saved = self._saved.get(key)
+        if saved is not None and await asyncio.to_thread(_still_there, media, *saved):
+            name, size = saved
+            return {"path": f"{call.scope.media_dir_in_sandbox}/{name}", "name": name, "size": size}
         channel = self.channels.get((call.scope.key.agent, MODULE))
         if not isinstance(channel, TelegramChannel):
             raise BridgeError("delivery_failed", "the Telegram channel is not running")
@@ -203,13 +223,16 @@ class TelegramTools:
             got = await channel.download(file_id)
         except ChannelFailed as exc:
             raise BridgeError("download_failed", exc.reason) from exc
-        media = call.scope.paths.media_dir
         try:
             name = await asyncio.to_thread(write_new_media_file, media, got.name, got.data)
         except OSError as exc:
             if exc.errno in (errno.ELOOP, errno.ENOTDIR):
                 raise BridgeError("download_failed", "the media directory is not usable") from exc
             raise BridgeError("download_failed", f"could not save: {exc.strerror}") from exc
+        self._saved[key] = (name, len(got.data))
+        self._saved.move_to_end(key)
+        while len(self._saved) > _DOWNLOADS_KEPT:
+            self._saved.popitem(last=False)
         return {
             "path": f"{call.scope.media_dir_in_sandbox}/{name}",
             "name": name,

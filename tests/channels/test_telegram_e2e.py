@@ -240,6 +240,11 @@ def test_P3_W6_downloads_only_this_chats_files_and_the_token_never_enters(
     assert result["path"].startswith(f"/workspace/media/telegram-{b}/")
     assert "bravo-file-bytes" in got
     assert TOKEN not in got and "e2eTokenSecret" not in result["path"]
+    # asked again, the same copy: a repeated call cannot fill the disk
+    fetched = len(world.tg.calls_of("getFile"))
+    world.say(b, f"{TOOL} telegram_download_attachment '{{\"file_id\": \"{fb}\"}}'")
+    assert _result_of(world.answers(b, 3)[2])["path"] == result["path"]
+    assert len(world.tg.calls_of("getFile")) == fetched
     # the token is nowhere in the sandbox: environment, files, processes
     world.say(
         b,
@@ -247,7 +252,7 @@ def test_P3_W6_downloads_only_this_chats_files_and_the_token_never_enters(
         'grep -rls "$N" /workspace /run/cellgate /tmp /home /etc 2>/dev/null | wc -l; '
         'cat /proc/*/environ 2>/dev/null | tr "\\0" "\\n" | grep -c "$N"; echo scan-done',
     )
-    scan = world.answers(b, 3)[2]
+    scan = world.answers(b, 4)[3]
     assert scan.split("\n")[:4] == ["0", "0", "0", "scan-done"], scan
 
 
