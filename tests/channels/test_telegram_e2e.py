@@ -242,7 +242,7 @@ def test_P3_W6_downloads_only_this_chats_files_and_the_token_never_enters(
     assert TOKEN not in got and "e2eTokenSecret" not in result["path"]
     # asked again, the same copy: a repeated call cannot fill the disk
     fetched = len(world.tg.calls_of("getFile"))
-    world.say(b, f"{TOOL} telegram_download_attachment '{{\"file_id\": \"{fb}\"}}'")
+    world.say(b, f'{TOOL} telegram_download_attachment \'{{"file_id": "{fb}"}}\'')
     assert _result_of(world.answers(b, 3)[2])["path"] == result["path"]
     assert len(world.tg.calls_of("getFile")) == fetched
     # the token is nowhere in the sandbox: environment, files, processes
