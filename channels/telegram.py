@@ -46,7 +46,15 @@ from pydantic import SecretStr
 os.environ.setdefault("PTB_TIMEDELTA", "true")
 
 from telegram import Bot, Message, ReactionTypeEmoji, Update
-from telegram.error import BadRequest, Forbidden, NetworkError, RetryAfter, TelegramError
+from telegram.error import (
+    BadRequest,
+    Forbidden,
+    InvalidToken,
+    NetworkError,
+    RetryAfter,
+    TelegramError,
+    TimedOut,
+)
 from telegram.request import HTTPXRequest
 
 from cellgate.errors import CellgateError, StoreError, Throttled
@@ -240,22 +248,58 @@ class TelegramChannel(Channel):
                 self._started = True
 
     async def start(self, on_message: InboundHandler) -> None:
+        """Register with Telegram (setWebhook, or deleteWebhook then poll).
+
+        A token Telegram refuses stops start-up (`ChannelFailed`); a Telegram
+        that cannot be reached does not: registering is retried in the
+        background, and the gateway serves its other channels meanwhile.
+        """
         self._on_message = on_message
         if self._poller is not None:
             return
-        await self.ready()
-        if self.options.mode == "webhook":
-            assert self.options.webhook_url and self.options.secret_token
-            await self.bot.set_webhook(
-                self.options.webhook_url,
-                secret_token=self.options.secret_token.get_secret_value(),
-                allowed_updates=list(_ALLOWED_UPDATES),
+        registered = await self._register()
+        self._poller = asyncio.create_task(self._run(registered), name=f"tg-{self.agent}")
+
+    async def _register(self) -> bool:
+        try:
+            await self.ready()
+            if self.options.mode == "webhook":
+                assert self.options.webhook_url and self.options.secret_token
+                await self.bot.set_webhook(
+                    self.options.webhook_url,
+                    secret_token=self.options.secret_token.get_secret_value(),
+                    allowed_updates=list(_ALLOWED_UPDATES),
+                )
+                logger.info("telegram webhook set for agent %s", self.agent)
+            else:
+                await self.bot.delete_webhook()
+                logger.info("telegram polling for agent %s", self.agent)
+        except InvalidToken as exc:
+            raise self._failed(
+                f"Telegram refuses the bot token of agent {self.agent}: check its tokenEnv or "
+                "tokenFile (the token BotFather gave)"
+            ) from exc
+        except (NetworkError, RetryAfter, TimedOut) as exc:
+            logger.warning(
+                "telegram not reachable for agent %s, retrying: %s",
+                self.agent,
+                self._redact(str(exc)),
             )
-            logger.info("telegram webhook set for agent %s", self.agent)
-        else:
-            await self.bot.delete_webhook()
-            self._poller = asyncio.create_task(self._poll_forever(), name=f"tg-poll-{self.agent}")
-            logger.info("telegram polling started for agent %s", self.agent)
+            return False
+        return True
+
+    async def _run(self, registered: bool) -> None:
+        backoff = 1.0
+        while not registered:
+            await self._sleep(backoff)
+            backoff = min(backoff * 2, 60.0)
+            try:
+                registered = await self._register()
+            except ChannelFailed:
+                logger.exception("telegram channel of agent %s stopped", self.agent)
+                return
+        if self.options.mode == "polling":
+            await self._poll_forever()
 
     async def stop(self) -> None:
         if self._poller is not None:

@@ -320,3 +320,37 @@ async def test_W1_polling_start_deletes_a_webhook_and_a_running_poller_stores_up
     finally:
         await ch.stop()
     assert [m.text for m in inbox.got] == ["via the poller"]
+
+
+async def test_W1_a_refused_token_stops_start_up_an_unreachable_telegram_does_not(
+    tg: TelegramStandin, store: Store
+) -> None:
+    wrong = TelegramChannel(
+        TelegramOptions(
+            agent="bot",
+            token=SecretStr("111:wrongTokenValue"),
+            base_url=tg.base_url,
+            base_file_url=tg.base_file_url,
+        ),
+        store,
+    )
+    try:
+        with pytest.raises(ChannelFailed) as exc:
+            await wrong.start(Inbox())
+        assert "tokenEnv" in str(exc.value) and "wrongTokenValue" not in str(exc.value)
+    finally:
+        await wrong.stop()
+    down = TelegramChannel(
+        TelegramOptions(
+            agent="bot",
+            token=SecretStr(TOKEN),
+            base_url="http://127.0.0.1:9/bot",
+            base_file_url="http://127.0.0.1:9/file/bot",
+        ),
+        store,
+    )
+    try:
+        await down.start(Inbox())  # returns: registering goes on in the background
+        assert down._poller is not None and not down._poller.done()
+    finally:
+        await down.stop()
