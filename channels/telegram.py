@@ -369,8 +369,10 @@ class TelegramChannel(Channel):
             message = normalize(self.agent, update, None, None)
         if message is None:
             return
-        if await asyncio.to_thread(self.store.unblock_chat, self.agent, self.name, message.chat_id):
-            logger.info("telegram chat %s writes again: unblocked", message.chat_id)
+        chat = message.chat_id
+        if await asyncio.to_thread(self.store.chat_blocked, self.agent, self.name, chat):
+            await asyncio.to_thread(self.store.unblock_chat, self.agent, self.name, chat)
+            logger.info("telegram chat %s writes again: unblocked", chat)
         if message.command in ("start", "help"):
             key = f"tg-cmd:{self.agent}:{message.chat_id}:{message.message_id}"
             await self._post_text(message.chat_id, key, HELP_TEXT, reply_to=None)
