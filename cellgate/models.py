@@ -90,6 +90,7 @@ class InboundMessage:
     sender: str = ""
     thread_id: str | None = None
     attachments: tuple[Attachment, ...] = ()
+    command: str | None = None  # a channel command for the gateway itself, e.g. "reset"
 
 
 class OutboundKind(StrEnum):

@@ -9,15 +9,39 @@ from __future__ import annotations
 import abc
 from collections.abc import Awaitable, Callable
 
+from cellgate.errors import CellgateError
 from cellgate.models import DeliveryReceipt, InboundMessage, OutboundMessage
 
 InboundHandler = Callable[[InboundMessage], Awaitable[None]]
 
 
+class ChatBlocked(CellgateError):
+    """The platform refuses to deliver into this chat (the user blocked the bot, W4).
+
+    Recorded in the store; a delivery into a blocked chat is not retried.
+    """
+
+    def __init__(self, channel: str, chat_id: str, reason: str) -> None:
+        self.channel = channel
+        self.chat_id = chat_id
+        self.reason = reason
+        super().__init__(f"{channel} chat {chat_id} does not accept messages: {reason}")
+
+
+class ChannelFailed(CellgateError):
+    """The platform refused or failed a delivery or download (not a block, not a rate limit)."""
+
+    def __init__(self, channel: str, reason: str) -> None:
+        self.channel = channel
+        self.reason = reason
+        super().__init__(f"{channel}: {reason}")
+
+
 class Channel(abc.ABC):
-    """start(handler) / stop / send: one contract per platform."""
+    """start(handler) / stop / send: one contract per platform, for one agent."""
 
     name: str
+    agent: str
 
     @abc.abstractmethod
     async def start(self, on_message: InboundHandler) -> None: ...
@@ -27,3 +51,6 @@ class Channel(abc.ABC):
 
     @abc.abstractmethod
     async def send(self, message: OutboundMessage) -> DeliveryReceipt: ...
+
+    async def typing(self, chat_id: str) -> None:  # noqa: B027 - optional hook
+        """Show that a turn is running in this chat (W4); a platform without it does nothing."""

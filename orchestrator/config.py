@@ -176,6 +176,47 @@ class HeartbeatSettings(_Model):
     )
 
 
+class TelegramSettings(_Model):
+    """A Telegram bot for one agent (W1). The token is read from the gateway's environment
+    (`tokenEnv`) or a file (`tokenFile`), never from the config file, never logged."""
+
+    token_env: str | None = Field(None, alias="tokenEnv", pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")
+    token_file: Path | None = Field(None, alias="tokenFile")
+    mode: Literal["webhook", "polling"] = "polling"
+    # webhook mode: the public HTTPS URL Telegram posts to (it reaches this gateway's
+    # /v1/telegram/<agent>/webhook); the secret token is generated and kept in the
+    # state directory when not given.
+    webhook_url: str | None = Field(None, alias="webhookUrl", pattern=r"^https?://[^\s]+$")
+    secret_token: SecretStr | None = Field(None, alias="secretToken")
+    # the Bot API server (a local Bot API server, or a stand-in); default: Telegram's own
+    base_url: str | None = Field(None, alias="baseUrl", pattern=r"^https?://[^\s]+$")
+    base_file_url: str | None = Field(None, alias="baseFileUrl", pattern=r"^https?://[^\s]+$")
+    max_download_bytes: int = Field(
+        20 * 1024 * 1024, alias="maxDownloadBytes", ge=1, le=2 * 1024 * 1024 * 1024
+    )
+    poll_timeout_seconds: int = Field(25, alias="pollTimeoutSeconds", ge=0, le=50)
+
+    @field_validator("secret_token")
+    @classmethod
+    def _secret_shape(cls, v: SecretStr | None) -> SecretStr | None:
+        # what the Bot API accepts for secret_token: 1-256 of A-Z a-z 0-9 _ -
+        if v is not None and not re.fullmatch(r"[A-Za-z0-9_-]{1,256}", v.get_secret_value()):
+            raise ValueError("secretToken must be 1-256 characters of A-Z, a-z, 0-9, _ and -")
+        return v
+
+    @model_validator(mode="after")
+    def _usable(self) -> TelegramSettings:
+        if (self.token_env is None) == (self.token_file is None):
+            raise ValueError("give the bot token's `tokenEnv` or `tokenFile` (exactly one)")
+        if self.mode == "webhook" and self.webhook_url is None:
+            raise ValueError("mode `webhook` needs `webhookUrl` (the public HTTPS URL)")
+        return self
+
+
+class ChannelSettings(_Model):
+    telegram: TelegramSettings | None = None
+
+
 class AgentConfig(_Model):
     id: str = Field(pattern=AGENT_ID_RE)
     isolate_memory: StrictBool = Field(False, alias="isolateMemory")
@@ -185,6 +226,7 @@ class AgentConfig(_Model):
     harness: HarnessConfig = ShellHarness(type="shell")
     claude: ClaudeSettings = ClaudeSettings()
     heartbeat: HeartbeatSettings | None = None
+    channels: ChannelSettings = ChannelSettings()
 
 
 class ApiKeyConfig(_Model):

@@ -9,45 +9,57 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 
-from cellgate.errors import AgentUnavailable
+from cellgate.errors import AgentUnavailable, BridgeError
 from cellgate.models import DeliveryReceipt, OutboundMessage
-from channels.base import Channel
+from channels.base import Channel, ChatBlocked
 from orchestrator.bridge import BridgeScope, ChannelOutbox, PendingOutbox
 from orchestrator.store import Conversation, Reply
+
+logger = logging.getLogger(__name__)
+
+ChannelMap = Mapping[tuple[str, str], Channel]  # (agent, channel) -> its running adapter
 
 
 class GatewayOutbox:
     """Bridge deliveries: the `api` channel keeps them for the HTTP answer; others send."""
 
-    def __init__(self, channels: Mapping[str, Channel]) -> None:
+    def __init__(self, channels: ChannelMap) -> None:
         self.pending = PendingOutbox()
         self.channels = ChannelOutbox(channels)
 
     async def deliver(self, scope: BridgeScope, message: OutboundMessage) -> DeliveryReceipt:
         if message.channel == "api":
             return await self.pending.deliver(scope, message)
-        return await self.channels.deliver(scope, message)
+        try:
+            return await self.channels.deliver(scope, message)
+        except ChatBlocked as exc:
+            raise BridgeError("chat_blocked", "this chat has blocked the bot") from exc
 
 
 class ReplyDelivery:
     """Sends a stored reply into its chat on the conversation's channel."""
 
-    def __init__(self, channels: Mapping[str, Channel]) -> None:
+    def __init__(self, channels: ChannelMap) -> None:
         self._channels = channels
 
     async def __call__(self, conv: Conversation, reply: Reply) -> None:
         if conv.channel == "api":
             return  # the API caller reads the stored reply
-        channel = self._channels.get(conv.channel)
+        channel = self._channels.get((conv.agent, conv.channel))
         if channel is None:
             raise AgentUnavailable(conv.agent, f"channel {conv.channel!r} is not running")
-        await channel.send(
-            OutboundMessage(
-                channel=conv.channel,
-                chat_id=conv.chat_id,
-                outbound_key=reply.outbound_key,
-                text=reply.text,
+        try:
+            await channel.send(
+                OutboundMessage(
+                    channel=conv.channel,
+                    chat_id=conv.chat_id,
+                    outbound_key=reply.outbound_key,
+                    text=reply.text,
+                )
             )
-        )
+        except ChatBlocked:
+            # W4: recorded by the channel; retrying would only be refused again
+            logger.info("reply %s not delivered: the chat blocked the bot", reply.outbound_key)

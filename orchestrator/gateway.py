@@ -30,6 +30,8 @@ from channels.base import Channel
 from orchestrator.admission import MessageGate, SandboxGate, default_max_sandboxes
 from orchestrator.agents import AgentRuntime, Agents, build_harness
 from orchestrator.bridge import BridgeServer, BuiltinTools, StoreRefusals, ToolHandlers
+from orchestrator.bridge.telegram_tools import TelegramTools
+from orchestrator.channel_hub import ChannelInbox, ChannelKey, build_channels
 from orchestrator.config import GatewayConfig
 from orchestrator.delivery import GatewayOutbox, ReplyDelivery
 from orchestrator.harnesses.base import TurnResult
@@ -73,10 +75,11 @@ class Gateway:
         self.gateway_id = load_gateway_id(settings.state_dir)  # R1: what this gateway owns
         self.agents = Agents.load(config.agents, settings, backend, self.gateway_id)
         self.metrics = Metrics(self.store.path, clock)  # O2
-        self.channels: dict[str, Channel] = {}
+        self.channels: dict[ChannelKey, Channel] = build_channels(config, self.store)
         self.outbox = GatewayOutbox(self.channels)
         tools = BuiltinTools(self.outbox, self.store, settings.state_dir / "bridge-spool")
-        self.bridge = BridgeServer(tools.install(ToolHandlers(refusals=StoreRefusals(self.store))))
+        handlers = tools.install(ToolHandlers(refusals=StoreRefusals(self.store)))
+        self.bridge = BridgeServer(TelegramTools(tools, self.channels).install(handlers))
         self.runner = TurnRunner(
             settings, self.agents, self.store, backend, self.bridge, self.outbox, clock=clock
         )
@@ -96,6 +99,7 @@ class Gateway:
             self.loop,
             MessageGate(settings.admission, self.store, clock=clock),
         )
+        self.inbox = ChannelInbox(self.agents, self.store, self.intake, self.loop, self.channels)
         self.heartbeats = Heartbeats(self.agents, self.store, self.loop, self.runner, clock=clock)
         self.sandboxes = SandboxKeeper(
             self.gateway_id,
@@ -127,6 +131,8 @@ class Gateway:
         self._started = True
         await self.check_runtimes()
         await self.sandboxes.reconcile()
+        for channel in self.channels.values():  # W1: before recovery delivers replies
+            await channel.start(self.inbox)
         await self.loop.recover()
 
     async def check_runtimes(self) -> None:
@@ -153,7 +159,10 @@ class Gateway:
             task.cancel()
         await asyncio.gather(*self._background, return_exceptions=True)
         self._background.clear()
+        await self.inbox.close()
         await self.loop.close()
+        for channel in self.channels.values():
+            await channel.stop()
         await self.bridge.close_all()
         await self.backend.close()
         self.store.close()

@@ -4,7 +4,8 @@
 
 Routers, one per resource: `chat` (send a message), `chats` (an agent's
 chats, sessions, messages, search, active days, inject), `media`, `shares`,
-`artifacts` (`/v1/image-artifacts`), `keys`. Who may call what is decided in
+`artifacts` (`/v1/image-artifacts`), `keys`, `telegram` (the webhook, W2).
+Who may call what is decided in
 `policies.api_access` (K2-K4), `policies.paths` (P5) and `policies.shares`
 (P6); `auth` gathers a key's facts, `ids` checks every id in a path (400), and
 `pathguard` refuses traversal in any path before routing, and
@@ -15,7 +16,17 @@ from __future__ import annotations
 
 from fastapi import FastAPI
 
-from orchestrator.api import artifacts, chat, chats, dashboard, keys, media, metrics, shares
+from orchestrator.api import (
+    artifacts,
+    chat,
+    chats,
+    dashboard,
+    keys,
+    media,
+    metrics,
+    shares,
+    telegram,
+)
 from orchestrator.api.context import ApiContext
 from orchestrator.api.errors import install_error_handlers
 from orchestrator.api.pathguard import PathGuard
@@ -38,6 +49,6 @@ def create_app(gateway: Gateway) -> FastAPI:
     async def healthz() -> dict[str, str]:
         return {"status": "ok"}
 
-    for module in (chat, chats, media, shares, artifacts, keys, metrics, dashboard):
+    for module in (chat, chats, media, shares, artifacts, keys, metrics, dashboard, telegram):
         app.include_router(module.router)
     return app

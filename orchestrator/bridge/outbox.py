@@ -4,7 +4,7 @@
 chat and returns the platform's receipt. The message's `outbound_key` is
 derived from the call (`outbound_key`), so a retried call delivers once.
 
-- `ChannelOutbox`: hands each message to the `Channel` of its channel name.
+- `ChannelOutbox`: hands each message to the `Channel` of its agent and channel name.
 - `PendingOutbox`: keeps messages per conversation until the gateway takes
   them, e.g. to return them with an HTTP API turn (the `api` channel). What
   waits is bounded per conversation (R3, `policies.bridge.admit_pending`: 20
@@ -67,15 +67,15 @@ class _Seen:
 class ChannelOutbox:
     """Routes a message to the channel it names; a retried outbound key is sent once."""
 
-    def __init__(self, channels: Mapping[str, Channel]) -> None:
-        self._channels = channels
+    def __init__(self, channels: Mapping[tuple[str, str], Channel]) -> None:
+        self._channels = channels  # keyed by (agent, channel)
         self._seen = _Seen()
 
     async def deliver(self, scope: BridgeScope, message: OutboundMessage) -> DeliveryReceipt:
         known = self._seen.get(message.outbound_key)
         if known is not None:
             return known
-        channel = self._channels.get(message.channel)
+        channel = self._channels.get((scope.key.agent, message.channel))
         if channel is None:
             raise BridgeError(
                 "delivery_failed", f"channel {message.channel!r} is not running on this gateway"

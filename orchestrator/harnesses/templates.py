@@ -6,6 +6,7 @@ imports neither, so the two do not import each other.
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass
 from typing import Literal
@@ -41,19 +42,48 @@ class CommandTemplate:
         return not any("{prompt}" in p for p in argv)
 
 
+# T1, K1: the one MCP server a preset session gets is the bridge's `cellgate-mcp`, at a
+# fixed path in every sandbox (its socket decides the conversation and the tools); the
+# operator's own servers and connectors are never loaded: Claude Code with
+# --strict-mcp-config, Codex with its `mcp_servers` table given on the command line.
+MCP_COMMAND = ("python3", "/run/cellgate/cellgate-mcp")
+CLAUDE_MCP_FLAGS: tuple[str, ...] = (
+    "--mcp-config",
+    json.dumps(
+        {"mcpServers": {"cellgate": {"command": MCP_COMMAND[0], "args": list(MCP_COMMAND[1:])}}},
+        separators=(",", ":"),
+    ),
+    "--strict-mcp-config",
+)
+CODEX_MCP_FLAGS: tuple[str, ...] = (
+    "-c",
+    f"mcp_servers.cellgate.command={json.dumps(MCP_COMMAND[0])}",
+    "-c",
+    f"mcp_servers.cellgate.args={json.dumps(list(MCP_COMMAND[1:]))}",
+)
+
 PRESETS: dict[str, CommandTemplate] = {
     "claude": CommandTemplate(
-        argv=("claude", "-p", "--output-format", "json"),
-        resume_argv=("claude", "-p", "--output-format", "json", "--resume", "{session_id}"),
+        argv=("claude", "-p", "--output-format", "json", *CLAUDE_MCP_FLAGS),
+        resume_argv=(
+            "claude",
+            "-p",
+            "--output-format",
+            "json",
+            "--resume",
+            "{session_id}",
+            *CLAUDE_MCP_FLAGS,
+        ),
         output="claude-json",
     ),
     "codex": CommandTemplate(
-        argv=("codex", "exec", "--json", "--skip-git-repo-check", "-"),
+        argv=("codex", "exec", "--json", "--skip-git-repo-check", *CODEX_MCP_FLAGS, "-"),
         resume_argv=(
             "codex",
             "exec",
             "--json",
             "--skip-git-repo-check",
+            *CODEX_MCP_FLAGS,
             "resume",
             "{session_id}",
             "-",

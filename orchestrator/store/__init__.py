@@ -21,6 +21,7 @@ from pathlib import Path
 
 from orchestrator.store._base import Clock
 from orchestrator.store.admin import AdminMixin
+from orchestrator.store.channels import ChannelsMixin
 from orchestrator.store.db import DB_FILE, Database
 from orchestrator.store.messages import conversation_id
 from orchestrator.store.models import (
@@ -83,11 +84,11 @@ __all__ = [
 ]
 
 
-class Store(AdminMixin):
+class Store(ChannelsMixin, AdminMixin):
     """Every table of the state database behind one object.
 
-    The methods are grouped by table in `messages`, `sessions`, `resources`
-    and `admin`; this class only opens and closes the file.
+    The methods are grouped by table in `messages`, `sessions`, `resources`,
+    `admin` and `channels`; this class only opens and closes the file.
     """
 
     def __init__(self, db: Database, clock: Clock = time.time) -> None:

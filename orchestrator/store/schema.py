@@ -153,5 +153,43 @@ _V1 = (
     "CREATE INDEX refusals_by_conversation ON refusals (conversation_id, id)",
 )
 
-MIGRATIONS: tuple[tuple[str, ...], ...] = (_V1,)
+# Channels (W3, W4): where a poller stopped, what was posted under which outbound
+# key (one row per part of a split reply), and chats that blocked the bot.
+_V_CHANNELS = (
+    """
+    CREATE TABLE channel_cursors (
+        agent      TEXT NOT NULL,
+        channel    TEXT NOT NULL,
+        cursor     INTEGER NOT NULL,
+        updated_at REAL NOT NULL,
+        PRIMARY KEY (agent, channel)
+    ) STRICT
+    """,
+    """
+    CREATE TABLE outbound_parts (
+        outbound_key        TEXT NOT NULL,
+        part                INTEGER NOT NULL,
+        agent               TEXT NOT NULL,
+        channel             TEXT NOT NULL,
+        chat_id             TEXT NOT NULL,
+        platform_message_id TEXT NOT NULL,
+        sent_at             REAL NOT NULL,
+        PRIMARY KEY (outbound_key, part)
+    ) STRICT
+    """,
+    "CREATE INDEX outbound_parts_by_chat"
+    " ON outbound_parts (agent, channel, chat_id, platform_message_id)",
+    """
+    CREATE TABLE blocked_chats (
+        agent      TEXT NOT NULL,
+        channel    TEXT NOT NULL,
+        chat_id    TEXT NOT NULL,
+        reason     TEXT NOT NULL,
+        blocked_at REAL NOT NULL,
+        PRIMARY KEY (agent, channel, chat_id)
+    ) STRICT
+    """,
+)
+
+MIGRATIONS: tuple[tuple[str, ...], ...] = (_V1, _V_CHANNELS)
 SCHEMA_VERSION = len(MIGRATIONS)

@@ -332,11 +332,13 @@ async def test_P1_channel_outbox_routes_by_channel_and_sends_a_key_once() -> Non
     paths = conversation_paths(Path("/a"), Path("/a/workspace"), key, "s1")
     scope = BridgeScope.for_conversation(key, "s1", paths)
     tg = Recording()
-    outbox = ChannelOutbox({"telegram": tg})
+    other_agent = Recording()
+    outbox = ChannelOutbox({("bot", "telegram"): tg, ("other", "telegram"): other_agent})
     msg = OutboundMessage(channel="telegram", chat_id="42", outbound_key="bridge:k1", text="hi")
     assert (await outbox.deliver(scope, msg)).platform_message_id == "tg-1"
     assert (await outbox.deliver(scope, msg)).platform_message_id == "tg-1"
     assert len(tg.sent) == 1
+    assert other_agent.sent == [], "routed by the conversation's agent, not only the channel"
     try:
         await outbox.deliver(scope, OutboundMessage("line", "42", "bridge:k2"))
     except BridgeError as exc:

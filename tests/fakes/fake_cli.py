@@ -7,7 +7,10 @@ result object; `codex exec --json`, JSONL events), keep sessions under
 JSON document of facts about how they were started: argv, where the prompt
 came from, the environment, the session's earlier prompts.
 
-Prompts with a meaning: `sleep:N` sleeps N seconds; `fail` reports an error.
+Prompts with a meaning: `sleep:N` sleeps N seconds; `fail` reports an error;
+`mcp:tools` starts every MCP server the CLI was given (claude `--mcp-config`
+JSON or file, `--strict-mcp-config`; codex `-c mcp_servers.<name>.command=` and
+`.args=`) over stdio, as the real CLIs do, and reports the tools each lists.
 """
 
 from __future__ import annotations
@@ -26,9 +29,44 @@ def _store(tool: str) -> Path:
     return path
 
 
+def _mcp_tools(servers: dict[str, dict[str, object]]) -> dict[str, object]:
+    """initialize, notifications/initialized, tools/list with each server, as a CLI does."""
+    import subprocess
+
+    out: dict[str, object] = {}
+    for name, spec in servers.items():
+        argv = [str(spec.get("command", ""))] + [str(a) for a in spec.get("args", []) or []]  # type: ignore[union-attr]
+        requests = [
+            {"jsonrpc": "2.0", "id": 1, "method": "initialize",
+             "params": {"protocolVersion": "2025-06-18", "capabilities": {},
+                        "clientInfo": {"name": "fake-cli", "version": "0"}}},
+            {"jsonrpc": "2.0", "method": "notifications/initialized"},
+            {"jsonrpc": "2.0", "id": 2, "method": "tools/list", "params": {}},
+        ]  # fmt: skip
+        feed = "".join(json.dumps(r) + "\n" for r in requests)
+        done = subprocess.run(argv, input=feed, capture_output=True, text=True, timeout=60)
+        names: list[str] = []
+        for line in done.stdout.splitlines():
+            try:
+                doc = json.loads(line)
+            except ValueError:
+                continue
+            if doc.get("id") == 2:
+                names = [t["name"] for t in doc.get("result", {}).get("tools", [])]
+        out[name] = names if names else {"error": done.stderr[-500:]}
+    return out
+
+
+MCP: dict[str, object] = {"servers": {}, "strict": False}
+
+
 def _facts(tool: str, argv: list[str], prompt: str, source: str, history: list[str]) -> str:
+    mcp = dict(MCP)
+    if prompt == "mcp:tools":
+        mcp["tools"] = _mcp_tools(MCP["servers"])  # type: ignore[arg-type]
     return json.dumps(
         {
+            "mcp": mcp,
             "tool": tool,
             "argv": argv,
             "prompt": prompt,
@@ -60,11 +98,17 @@ def claude(argv: list[str]) -> int:
     i = 0
     while i < len(argv):
         a = argv[i]
-        if a in ("--resume", "-r", "--output-format", "--session-id"):
+        if a in ("--resume", "-r", "--output-format", "--session-id", "--mcp-config"):
             if a in ("--resume", "-r"):
                 resume = argv[i + 1]
+            if a == "--mcp-config":
+                raw = argv[i + 1]
+                doc = json.loads(raw if raw.lstrip().startswith("{") else Path(raw).read_text())
+                MCP["servers"] = doc.get("mcpServers", {})
             i += 2
             continue
+        if a == "--strict-mcp-config":
+            MCP["strict"] = True
         if not a.startswith("-"):
             positional.append(a)
         i += 1
@@ -104,7 +148,18 @@ def codex(argv: list[str]) -> int:
     if not argv or argv[0] != "exec":
         print("usage: codex exec [--json] [resume ID] PROMPT", file=sys.stderr)
         return 2
-    rest = [a for a in argv[1:] if not a.startswith("--")]
+    rest: list[str] = []
+    servers: dict[str, dict[str, object]] = {}
+    args = iter(argv[1:])
+    for a in args:
+        if a == "-c":
+            key, _, value = next(args).partition("=")
+            parts = key.split(".")
+            if len(parts) == 3 and parts[0] == "mcp_servers":
+                servers.setdefault(parts[1], {})[parts[2]] = json.loads(value)
+        elif not a.startswith("--"):
+            rest.append(a)
+    MCP["servers"] = servers
     resume = None
     if rest and rest[0] == "resume":
         resume, rest = rest[1], rest[2:]

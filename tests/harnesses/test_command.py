@@ -14,6 +14,7 @@ import pytest
 
 from orchestrator.harnesses.base import ExecDetail, TurnRequest, TurnResult
 from orchestrator.harnesses.command import CommandHarness, CommandTemplate
+from orchestrator.harnesses.templates import CLAUDE_MCP_FLAGS, CODEX_MCP_FLAGS
 from sandbox.backends.docker import DockerBackend
 from tests.harnesses.conftest import Sandboxed
 
@@ -44,7 +45,7 @@ async def test_H2_T3_claude_preset_runs_in_sandbox_with_auto_memory_off(
     first = await harness.dispatch(ctx, TurnRequest("hello there"))
     f1 = facts(first)
     assert f1["tool"] == "claude"
-    assert f1["argv"] == ["-p", "--output-format", "json"]
+    assert f1["argv"] == ["-p", "--output-format", "json", *CLAUDE_MCP_FLAGS]
     assert (f1["prompt"], f1["prompt_source"]) == ("hello there", "stdin")
     assert f1["auto_memory_off"] == "1"  # T3
     assert f1["uid"] == 10001 and f1["cwd"] == "/workspace"
@@ -54,7 +55,7 @@ async def test_H2_T3_claude_preset_runs_in_sandbox_with_auto_memory_off(
 
     second = await harness.dispatch(ctx, TurnRequest("and again"))
     f2 = facts(second)
-    assert f2["argv"] == ["-p", "--output-format", "json", "--resume", sid]
+    assert f2["argv"] == ["-p", "--output-format", "json", "--resume", sid, *CLAUDE_MCP_FLAGS]
     assert f2["history"] == ["hello there", "and again"]
     assert second.harness_session_id == sid and exec_detail(second).resumed is True
 
@@ -66,7 +67,7 @@ async def test_H2_hostile_prompt_is_data_never_a_flag_or_shell(
     harness = CommandHarness.preset("claude")
     f = facts(await harness.dispatch(sb.ctx(backend), TurnRequest(HOSTILE)))
     assert f["prompt"] == HOSTILE
-    assert f["argv"] == ["-p", "--output-format", "json"]
+    assert f["argv"] == ["-p", "--output-format", "json", *CLAUDE_MCP_FLAGS]
     assert sb.sh("ls /tmp/pwned /tmp/pwned2 2>&1")[0] != 0
 
 
@@ -98,7 +99,7 @@ async def test_D3_unknown_or_hostile_saved_session_starts_cold(
     res = await hostile.dispatch(
         sb.ctx(backend), TurnRequest("hi", resume_id="--dangerously-skip-permissions")
     )
-    assert facts(res)["argv"] == ["-p", "--output-format", "json"]
+    assert facts(res)["argv"] == ["-p", "--output-format", "json", *CLAUDE_MCP_FLAGS]
 
 
 async def test_H1_reset_session_starts_cold_even_with_a_saved_id(
@@ -130,7 +131,7 @@ async def test_H2_extra_flags_follow_the_executable(
     sb = sandboxes("claude-flags")
     harness = CommandHarness.preset("claude", extra_flags=("--model", "haiku"))
     f = facts(await harness.dispatch(sb.ctx(backend), TurnRequest("x")))
-    assert f["argv"] == ["--model", "haiku", "-p", "--output-format", "json"]
+    assert f["argv"] == ["--model", "haiku", "-p", "--output-format", "json", *CLAUDE_MCP_FLAGS]
 
 
 async def test_H2_codex_preset_parses_thread_and_last_agent_message(
@@ -147,7 +148,9 @@ async def test_H2_codex_preset_parses_thread_and_last_agent_message(
     assert tid.startswith("th_")
     second = await harness.dispatch(ctx, TurnRequest("next"))
     f2 = facts(second)
-    assert f2["argv"] == ["exec", "--json", "--skip-git-repo-check", "resume", tid, "-"]
+    assert f2["argv"] == [
+        "exec", "--json", "--skip-git-repo-check", *CODEX_MCP_FLAGS, "resume", tid, "-"
+    ]  # fmt: skip
     assert f2["history"] == ["-n hello", "next"]
 
     failed = await harness.dispatch(ctx, TurnRequest("fail"))

@@ -26,16 +26,25 @@ def free_port() -> int:
 
 @contextlib.contextmanager
 def served_gateway(
-    config_path: Path, backend: Callable[[], SandboxBackend]
+    config_path: Path,
+    backend: Callable[[], SandboxBackend],
+    *,
+    port: int | None = None,
+    start: bool = False,
 ) -> Iterator[tuple[str, Gateway]]:
-    """Yield the base URL and the gateway; stop the server and close the gateway after."""
-    port = free_port()
+    """Yield the base URL and the gateway; stop the server and close the gateway after.
+
+    `start`: run `Gateway.start` (recovery, channels) before serving, as `cellgate serve` does.
+    """
+    port = port or free_port()
     holder: dict[str, Any] = {}
     ready = threading.Event()
 
     async def main() -> None:
         gw = Gateway(load_config(config_path), backend())
         holder["gateway"] = gw
+        if start:
+            await gw.start()
         server = uvicorn.Server(
             uvicorn.Config(
                 create_app(gw), host="127.0.0.1", port=port, log_level="warning", lifespan="off"

@@ -1,0 +1,222 @@
+"""Channels of every agent: built from config, keyed by (agent, channel), fed into intake.
+
+- `build_channels(config, store)`: one adapter per configured agent channel
+  (W1). The token is read here from the gateway's environment or a file,
+  as a `SecretStr`; a missing token stops start-up with the config field.
+  A webhook's secret token, when not configured, is generated once and kept
+  in `<state>/telegram/<agent>.secret` (0600).
+- `ChannelInbox`: what a channel calls with each normalised inbound message.
+  It records the message's attachments in the chat's ledger (P3), hands the
+  message to `Intake` (admission, then stored idempotently: W3, D1), shows a
+  typing indicator while its turn runs (W4), and handles `/reset` (this
+  chat's session only).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import secrets
+from collections.abc import Mapping
+from pathlib import Path
+
+from pydantic import SecretStr
+
+from cellgate.errors import ConfigError, StateConflict
+from cellgate.models import ConversationKey, InboundMessage, OutboundMessage
+from channels.base import Channel, ChannelFailed, ChatBlocked
+from channels.telegram import RESET_TEXT, TYPING_EVERY, TelegramChannel, TelegramOptions
+from orchestrator.agents import Agents
+from orchestrator.config import GatewayConfig, TelegramSettings
+from orchestrator.intake import Intake
+from orchestrator.store import MessageId, MessageState, Store
+from orchestrator.transcripts import save_session_id
+from orchestrator.turns import TurnLoop
+
+__all__ = ["ChannelInbox", "ChannelKey", "attachment_notes", "build_channels"]
+
+logger = logging.getLogger(__name__)
+
+ChannelKey = tuple[str, str]  # (agent, channel)
+_WAITING = (MessageState.ACCEPTED, MessageState.RUNNING)
+
+
+def _read_token(agent: str, cfg: TelegramSettings, source: str) -> SecretStr:
+    field = f"agents[{agent}].channels.telegram"
+    if cfg.token_env is not None:
+        value = os.environ.get(cfg.token_env, "").strip()
+        if not value:
+            raise ConfigError(
+                source,
+                f"{field}.tokenEnv",
+                f"the environment variable {cfg.token_env} is not set in the gateway's "
+                "environment; export the bot token there",
+            )
+        return SecretStr(value)
+    assert cfg.token_file is not None
+    try:
+        value = cfg.token_file.expanduser().read_text(encoding="utf-8").strip()
+    except OSError as exc:
+        raise ConfigError(
+            source, f"{field}.tokenFile", f"cannot read {cfg.token_file}: {exc.strerror}"
+        ) from exc
+    if not value:
+        raise ConfigError(source, f"{field}.tokenFile", f"{cfg.token_file} is empty")
+    return SecretStr(value)
+
+
+def webhook_secret(state_dir: Path, agent: str) -> SecretStr:
+    """The generated webhook secret of an agent, created once (0600) and kept."""
+    folder = state_dir / "telegram"
+    folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+    path = folder / f"{agent}.secret"
+    with contextlib.suppress(FileExistsError):
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(secrets.token_urlsafe(48))
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    with os.fdopen(fd) as f:
+        return SecretStr(f.read().strip())
+
+
+def build_channels(
+    config: GatewayConfig, store: Store, source: str = "config"
+) -> dict[ChannelKey, Channel]:
+    channels: dict[ChannelKey, Channel] = {}
+    state_dir = config.gateway.state_dir
+    for agent in config.agents:
+        tg = agent.channels.telegram
+        if tg is None:
+            continue
+        secret = tg.secret_token
+        if tg.mode == "webhook" and secret is None:
+            secret = webhook_secret(state_dir, agent.id)
+        options = TelegramOptions(
+            agent=agent.id,
+            token=_read_token(agent.id, tg, source),
+            mode=tg.mode,
+            webhook_url=tg.webhook_url,
+            secret_token=secret,
+            base_url=tg.base_url,
+            base_file_url=tg.base_file_url,
+            max_download_bytes=tg.max_download_bytes,
+            poll_timeout=tg.poll_timeout_seconds,
+        )
+        channels[(agent.id, "telegram")] = TelegramChannel(options, store)
+    return channels
+
+
+def attachment_notes(message: InboundMessage) -> str:
+    """The message text, with each attachment named on a `#` line the harness can act on."""
+    lines = [message.text] if message.text else []
+    for a in message.attachments:
+        name = f" name={a.name!r}" if a.name else ""
+        size = f" size={a.size}" if a.size is not None else ""
+        lines.append(
+            f"# attachment: {a.kind} file_id={a.ref}{name}{size}"
+            f" (fetch it with {message.channel}_download_attachment)"
+        )
+    return "\n".join(lines)
+
+
+class ChannelInbox:
+    """The handler every channel's `start` gets: normalised messages into the gateway."""
+
+    def __init__(
+        self,
+        agents: Agents,
+        store: Store,
+        intake: Intake,
+        loop: TurnLoop,
+        channels: Mapping[ChannelKey, Channel],
+        *,
+        typing_limit: float = 600.0,
+    ) -> None:
+        self.agents = agents
+        self.store = store
+        self.intake = intake
+        self.loop = loop
+        self.channels = channels
+        self.typing_limit = typing_limit
+        self._typing: set[asyncio.Task[None]] = set()
+
+    async def __call__(self, message: InboundMessage) -> None:
+        if message.command == "reset":
+            await self.reset(message)
+            return
+        key = ConversationKey(message.agent, message.channel, message.chat_id)
+        if message.attachments:
+            conv = await asyncio.to_thread(self.store.upsert_conversation, key)
+            for a in message.attachments:
+                await asyncio.to_thread(
+                    self.store.remember_attachment, conv.id, a.ref, platform=message.channel
+                )
+        msg, created = await self.intake.submit(
+            message.agent,
+            message.channel,
+            message.chat_id,
+            attachment_notes(message),
+            message_id=message.message_id,
+            sender=message.sender,
+        )
+        if created:
+            self._show_typing(message, msg.id)
+
+    def _show_typing(self, message: InboundMessage, msg_id: int) -> None:
+        channel = self.channels.get((message.agent, message.channel))
+        if channel is None:
+            return
+        task = asyncio.create_task(self._typing_while_waiting(channel, message.chat_id, msg_id))
+        self._typing.add(task)
+        task.add_done_callback(self._typing.discard)
+
+    async def _typing_while_waiting(self, channel: Channel, chat_id: str, msg_id: int) -> None:
+        """W4: a typing action every few seconds while the message waits or runs (bounded)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.typing_limit
+        while loop.time() < deadline:
+            msg = await asyncio.to_thread(self.store.get_message, MessageId(msg_id))
+            if msg is None or msg.state not in _WAITING:
+                return
+            with contextlib.suppress(ChannelFailed, ChatBlocked):
+                await channel.typing(chat_id)
+            await asyncio.sleep(TYPING_EVERY)
+
+    async def reset(self, message: InboundMessage) -> None:
+        """`/reset`: end this chat's session; its next message starts cold. No other chat's."""
+        key = ConversationKey(message.agent, message.channel, message.chat_id)
+        conv = await asyncio.to_thread(self.store.upsert_conversation, key)
+
+        async def none_pending() -> int:
+            return 0
+
+        await self.intake.gate.admit(
+            key.agent, key.channel, key.chat_id, message.sender, conv.id, none_pending
+        )
+        async with self.loop.conversation_lock(conv.id):
+            for session in await asyncio.to_thread(self.store.live_sessions, conversation=conv.id):
+                with contextlib.suppress(StateConflict):
+                    await asyncio.to_thread(self.store.end_session, session.id)
+            rt = self.agents.get(key.agent)
+            if rt is not None and rt.sandboxes is not None:
+                chat_dir = rt.sandboxes.app.workspace / "chats" / key.dir_name
+                with contextlib.suppress(OSError):
+                    await asyncio.to_thread(save_session_id, chat_dir, "", None)
+        channel = self.channels.get((key.agent, key.channel))
+        if channel is not None:
+            await channel.send(
+                OutboundMessage(
+                    channel=key.channel,
+                    chat_id=key.chat_id,
+                    outbound_key=f"cmd:{conv.id}:{message.message_id}",
+                    text=RESET_TEXT,
+                )
+            )
+        logger.info("session reset by the chat", extra={"conversation": conv.id})
+
+    async def close(self) -> None:
+        for task in list(self._typing):
+            task.cancel()
+        await asyncio.gather(*self._typing, return_exceptions=True)
