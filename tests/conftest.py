@@ -160,4 +160,8 @@ def _foreign_sandboxes_survive() -> Iterator[None]:
             client.api.remove_container(cid, force=True)
         client.close()
         if gone:
-            pytest.fail(f"R1: the suite removed another gateway's sandboxes: {', '.join(gone)}")
+            pytest.fail(
+                "R1: another gateway's sandboxes were removed during this run (by a test, a"
+                " gateway under test, or an unscoped process on the same engine):"
+                f" {', '.join(gone)}"
+            )

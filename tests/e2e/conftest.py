@@ -23,7 +23,8 @@ from orchestrator.config import write_config_document
 from orchestrator.demo import sample_app_dir
 from orchestrator.gateway import Gateway
 from sandbox.backends.docker import DockerBackend
-from tests.support.run_id import remove_run_containers, seed_gateway_id
+from sandbox.gateway_id import write_gateway_id
+from tests.support.run_id import RUN_ID, remove_run_containers
 from tests.support.served import served_gateway
 
 CANARIES = {
@@ -82,12 +83,21 @@ def _prepare_app(tmp: Path, name: str = "e2e") -> Path:
 
 
 def install_test_app(
-    tmp: Path, docker_client: Any, base_image: str, name: str, gateway: dict[str, Any] | None = None
+    tmp: Path,
+    docker_client: Any,
+    base_image: str,
+    name: str,
+    gateway: dict[str, Any] | None = None,
+    *,
+    gateway_id: str = RUN_ID,
 ) -> Path:
-    """A state dir with the sample app installed as `name` (agent `<name>-bot`); its config."""
+    """A state dir with the sample app installed as `name` (agent `<name>-bot`); its config.
+
+    The state dir's gateway id is this run's (R1), or `gateway_id` (derived from it).
+    """
     state = tmp / f"state-{name}"
     state.mkdir()
-    seed_gateway_id(state)  # R1: the test gateway's id is this run's
+    write_gateway_id(state, gateway_id)
     config_path = state / "config.json"
     write_config_document(
         config_path,

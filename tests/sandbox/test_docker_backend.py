@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
+import subprocess
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -536,3 +539,98 @@ async def test_S5_reaper_run_forever_keeps_going(
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
+
+
+# -- limits checked each turn (R5), logs off (R3) ----------------------------
+
+
+async def test_R5_S4_docker_update_is_refused_then_recreated_to_spec(
+    backend: DockerBackend, spec_factory: Callable[..., Built], docker_client: docker.DockerClient
+) -> None:
+    built = spec_factory()
+    first = await backend.ensure(built.spec)
+    await asyncio.to_thread(
+        subprocess.run,
+        ["docker", "update", "--pids-limit", "100000", "--memory", "4g", "--memory-swap", "4g",
+         first.name],
+        check=True, capture_output=True, timeout=60,
+    )  # fmt: skip
+    with pytest.raises(MountVerificationFailed) as caught:
+        await backend.ensure(built.spec)
+    named = [v.split(" is ")[0] for v in caught.value.violations]
+    assert named == ["pids limit", "memory limit", "memory+swap limit"], caught.value.violations
+    assert "pids limit is 100000" in str(caught.value)
+    # The loosened sandbox is gone: retrying cannot keep it.
+    assert not _exists(docker_client, first.container_id)
+    fresh = await backend.ensure(built.spec)
+    assert fresh.container_id != first.container_id
+    observed = await backend.inspect(fresh.name)
+    assert violations(built.spec, observed) == []
+    assert (observed.pids_limit, observed.memory, observed.memory_swap) == (
+        built.spec.limits.pids,
+        built.spec.limits.memory_bytes,
+        built.spec.limits.memory_bytes,
+    )
+
+
+async def test_R5_created_with_every_checked_setting(backend: DockerBackend, shared: Built) -> None:
+    """The engine reports what the check expects: explicit ulimits, private cgroupns, no log."""
+    observed = await backend.inspect((await backend.ensure(shared.spec)).name)
+    assert set(observed.ulimits) == {("core", 0, 0), ("nofile", 1024, 1024)}
+    assert observed.cgroupns_mode == "private"
+    assert (observed.log_type, dict(observed.log_options)) == ("none", {})
+    assert observed.memory_swap == observed.memory  # no swap
+    assert observed.labels[LABEL_GATEWAY] == RUN_ID
+    code, out, _ = await sh(backend, await backend.ensure(shared.spec), "ulimit -n; ulimit -c")
+    assert (code, out) == (0, "1024\n0\n")
+
+
+def _container_dir_bytes(client: docker.DockerClient, container_id: str) -> int:
+    root = Path(client.info()["DockerRootDir"]) / "containers" / container_id
+    total = 0
+    for dirpath, _, files in os.walk(root):
+        for f in files:
+            with contextlib.suppress(FileNotFoundError):
+                total += os.lstat(os.path.join(dirpath, f)).st_size
+    return total
+
+
+async def test_R3_log_flood_to_proc_1_fd_1_leaves_the_host_log_bounded(
+    backend: DockerBackend,
+    spec_factory: Callable[..., Built],
+    docker_client: docker.DockerClient,
+    base_image: str,
+    app_name: str,
+) -> None:
+    """200 MB written to the sandbox's stdout costs the host nothing (log driver `none`)."""
+    handle = await backend.ensure(spec_factory().spec)
+    before = _container_dir_bytes(docker_client, handle.container_id)
+    if before == 0:
+        pytest.fail("cannot read the engine's container directory (run as root, like CI)")
+    code, out, err = await sh(
+        backend, handle, "head -c 200000000 /dev/zero > /proc/1/fd/1; echo wrote", timeout=120
+    )
+    assert (code, out) == (0, "wrote\n"), err
+    after = _container_dir_bytes(docker_client, handle.container_id)
+    print(f"\nR3: 200 MB to /proc/1/fd/1: container dir {before} -> {after} bytes")
+    assert after - before < 1024 * 1024
+    assert docker_client.api.inspect_container(handle.container_id)["LogPath"] == ""
+    # Control: the same measure sees a default (json-file) container's log grow.
+    control = docker_client.containers.run(
+        base_image,
+        ["sh", "-c", "head -c 20000000 /dev/zero; sleep infinity"],
+        labels={LABEL_APP: app_name, LABEL_GATEWAY: RUN_ID},
+        log_config={"Type": "json-file", "Config": {}},
+        network_mode="none",
+        detach=True,
+    )
+    try:
+        grown = 0
+        for _ in range(100):
+            grown = _container_dir_bytes(docker_client, control.id or "")
+            if grown > 20_000_000:
+                break
+            await asyncio.sleep(0.1)
+        assert grown > 20_000_000
+    finally:
+        control.remove(force=True)
