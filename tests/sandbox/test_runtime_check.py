@@ -167,23 +167,3 @@ async def test_S2_unknown_runtime_is_refused_with_a_fix(
     with pytest.raises(Exception, match="Unknown runtime"):
         await backend.probe(fake, base_image, ["true"], run_id=run_id, timeout=10)
     assert _probe_containers(docker_client, run_id) == []
-
-
-# An old gVisor (bookworm's 0.0~20221219) or an always-failing wrapper, registered
-# by hand under these names (see the README's runsc paragraph), is refused.
-@pytest.mark.docker
-@pytest.mark.parametrize(
-    ("runtime", "failed"),
-    [
-        ("runsc-old-test", "`ls /` failed (exit 2)"),
-        ("broken-test", "the engine could not run a container"),
-    ],
-)
-async def test_S2_broken_registered_runtime_is_refused(
-    backend: DockerBackend, docker_client: Any, base_image: str, runtime: str, failed: str
-) -> None:
-    if runtime not in _runtimes(docker_client):
-        pytest.skip(f"no {runtime} runtime registered (a deliberately broken one)")
-    verdict = await check_runtime(backend, runtime, base_image)
-    assert not verdict.ok
-    assert verdict.failed == failed, verdict.message
