@@ -3,6 +3,8 @@
 - No test reaches past loopback: a connect to any other address fails the test.
 - Tests that need Docker get `docker_client`; when CELLGATE_REQUIRE_DOCKER=1 (the
   test script sets it) a missing engine fails them instead of skipping.
+- Every quota image a test's gateway mounted (R2) under the test's tmp dirs is
+  unmounted after it, and whatever is left under this session's tmp root at the end.
 """
 
 from __future__ import annotations
@@ -49,6 +51,26 @@ def _loopback_only() -> Iterator[None]:
     yield
     socket.socket.connect = _real_connect  # type: ignore[method-assign]
     socket.socket.connect_ex = _real_connect_ex  # type: ignore[method-assign]
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _quota_mounts_released(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    yield
+    if os.geteuid() == 0:
+        from sandbox.quota import release_all
+
+        release_all(tmp_path_factory.getbasetemp())
+
+
+@pytest.fixture(autouse=True)
+def _test_quota_mounts_released(request: pytest.FixtureRequest) -> Iterator[None]:
+    used = "tmp_path" in request.fixturenames and os.geteuid() == 0
+    tmp = request.getfixturevalue("tmp_path") if used else None
+    yield
+    if tmp is not None:
+        from sandbox.quota import release_all
+
+        release_all(tmp)
 
 
 def require_docker() -> Any:
