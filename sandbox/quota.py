@@ -53,6 +53,7 @@ TOOL_DIRS = ("/usr/sbin", "/sbin", "/usr/bin", "/bin")
 COMMAND_TIMEOUT = 60.0
 MARKERS = ".cellgate"
 MAX_DEPTH = 64
+SPARE_INODES = 16  # held back for the gateway's own files (CLAUDE.md, transcript)
 FIXED_TARGETS = ("chat", "home")
 
 
@@ -201,8 +202,19 @@ def _run(argv: Sequence[str], what: str) -> None:
 # -- images and mounts ------------------------------------------------------
 
 
+def root_reserve_percent(size: int) -> str:
+    """Blocks only root (the gateway) may use: 1/64 of the image, 1 MiB to 1/8."""
+    reserve = min(max(size // 64, 1 << 20), size // 8)
+    return f"{reserve * 100 / size:.3f}"
+
+
 def make_image(image: Path, limits: QuotaLimits) -> None:
-    """A sparse file of `limits.bytes` with a fresh ext4 (journal, no root reserve)."""
+    """A sparse file of `limits.bytes` with a fresh ext4 (journal, a small root reserve).
+
+    The sandbox never runs as root, so the reserve keeps room for the gateway's
+    own writes (the session's CLAUDE.md, the transcript) when a sandbox has
+    filled the rest: a full conversation can still take the turn that cleans it.
+    """
     tmp = image.with_name(f".{image.name}.new")
     with contextlib.suppress(FileNotFoundError):
         tmp.unlink()
@@ -213,8 +225,8 @@ def make_image(image: Path, limits: QuotaLimits) -> None:
         os.close(fd)
     try:
         _run(
-            ["mkfs.ext4", "-q", "-F", "-m", "0", "-N", str(limits.inodes), "-L", "cellgate",
-             str(tmp)],
+            ["mkfs.ext4", "-q", "-F", "-m", root_reserve_percent(limits.bytes),
+             "-N", str(limits.inodes + SPARE_INODES), "-L", "cellgate", str(tmp)],
             f"making the quota image {image}",
         )  # fmt: skip
         os.replace(tmp, image)
@@ -413,6 +425,28 @@ def _mkdirs_nofollow(base: Path, target: Path, mode: int = 0o755) -> None:
             raise QuotaError(f"{current} exists and is not a directory (symlinks are refused)")
 
 
+def _keep_spare_inodes(mnt: Path, spare: Path) -> None:
+    """ext4 reserves blocks for root but no inodes: hold a few as empty files.
+
+    When a sandbox has used every other inode they are given back, so that the
+    gateway can still write its own files for the next turn.
+    """
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(spare, 0o700)
+    held = sorted(os.listdir(spare))
+    free = os.statvfs(mnt).f_ffree
+    if free < SPARE_INODES // 2 and held:
+        for name in held:
+            os.unlink(spare / name)
+        logger.warning(
+            "quota (R2): %s is out of inodes; gave the gateway %d spare ones", mnt, len(held)
+        )
+    elif len(held) < SPARE_INODES and free > 2 * SPARE_INODES:
+        for i in range(SPARE_INODES):
+            with contextlib.suppress(FileExistsError):
+                os.close(os.open(spare / str(i), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+
+
 _THREAD_LOCK = threading.Lock()
 
 
@@ -465,6 +499,7 @@ class LoopQuota:
             markers = mnt / MARKERS
             with contextlib.suppress(FileExistsError):
                 os.mkdir(markers, 0o700)
+            _keep_spare_inodes(mnt, markers / "spare")
             for t in targets:
                 self._bind(t, mnt, markers, dev, owner, entries)
 
