@@ -315,12 +315,15 @@ def _owner(st: os.stat_result, fd: int | None = None, path: Path | None = None) 
         os.chown(path, st.st_uid, st.st_gid, follow_symlinks=False)
 
 
-def _copy_file(src: Path, dst: Path, st: os.stat_result) -> int:
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def _copy_file(src_dir: int, name: str, dst: Path, st: os.stat_result) -> int:
     flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
-    sfd = os.open(src, flags)
+    sfd = os.open(name, flags, dir_fd=src_dir)
     try:
         if not stat.S_ISREG(os.fstat(sfd).st_mode):
-            raise OSError(f"{src} changed kind while copying")
+            raise OSError(f"{dst.name} changed kind while copying")
         dfd = os.open(
             dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600
         )
@@ -341,36 +344,45 @@ def _copy_file(src: Path, dst: Path, st: os.stat_result) -> int:
     return st.st_size
 
 
-def _copy_tree(src: Path, dst: Path, budget: _Budget, depth: int = 0) -> None:
+def _copy_tree(src: int, label: Path, dst: Path, budget: _Budget, depth: int = 0) -> None:
+    """Copy the directory open at `src` into `dst`, every step relative to an open fd.
+
+    A directory swapped for a symlink mid-copy fails its O_NOFOLLOW open; nothing
+    outside the host dir is ever read.
+    """
     if depth > MAX_DEPTH:
-        budget.left_out.append(f"{src} (deeper than {MAX_DEPTH})")
+        budget.left_out.append(f"{label} (deeper than {MAX_DEPTH})")
         return
     with os.scandir(src) as it:
         for de in it:
             budget.entries -= 1
-            s, d = src / de.name, dst / de.name
             if budget.entries < 0:
-                budget.left_out.append(f"{src} (more entries than the image's inodes)")
+                budget.left_out.append(f"{label} (more entries than the image's inodes)")
                 return
-            st = de.stat(follow_symlinks=False)
+            d = dst / de.name
+            st = os.stat(de.name, dir_fd=src, follow_symlinks=False)
             if stat.S_ISDIR(st.st_mode):
                 os.mkdir(d, 0o700)
-                _copy_tree(s, d, budget, depth + 1)
+                sub = os.open(de.name, _DIR_FLAGS, dir_fd=src)
+                try:
+                    _copy_tree(sub, label / de.name, d, budget, depth + 1)
+                finally:
+                    os.close(sub)
                 os.chmod(d, stat.S_IMODE(st.st_mode) & 0o777)
                 _owner(st, path=d)
             elif stat.S_ISREG(st.st_mode):
                 if st.st_size > budget.bytes:
-                    budget.left_out.append(f"{s} ({st.st_size} bytes, over the quota)")
+                    budget.left_out.append(f"{label / de.name} ({st.st_size} bytes, over quota)")
                     continue
-                n = _copy_file(s, d, st)
+                n = _copy_file(src, de.name, d, st)
                 budget.bytes -= n
                 budget.copied_bytes += n
                 budget.copied_files += 1
             elif stat.S_ISLNK(st.st_mode):
-                os.symlink(os.readlink(s), d)
+                os.symlink(os.readlink(de.name, dir_fd=src), d)
                 _owner(st, path=d)
             else:
-                budget.left_out.append(f"{s} (not a file, directory or symlink)")
+                budget.left_out.append(f"{label / de.name} (not a file, directory or symlink)")
 
 
 def _migrate(target: QuotaTarget, sub: Path, limits: QuotaLimits) -> None:
@@ -386,7 +398,11 @@ def _migrate(target: QuotaTarget, sub: Path, limits: QuotaLimits) -> None:
     budget = _Budget(bytes=free.f_bavail * free.f_frsize, entries=min(free.f_favail, limits.inodes))
     complete = True
     try:
-        _copy_tree(target.path, sub, budget)
+        top = os.open(target.path, _DIR_FLAGS)
+        try:
+            _copy_tree(top, target.path, sub, budget)
+        finally:
+            os.close(top)
     except OSError as exc:
         complete = False
         budget.left_out.append(f"copy stopped: {exc}")
