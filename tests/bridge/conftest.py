@@ -40,6 +40,7 @@ from orchestrator.sandboxes import ConversationSandboxes
 from orchestrator.store import SessionId, Store
 from sandbox.backends.base import ExecResult, SandboxBackend, SandboxHandle
 from sandbox.client import cellgate_tool
+from sandbox.quota import release_all
 from sandbox.spec import LABEL_APP
 
 AGENT = "bot"
@@ -219,6 +220,7 @@ def bridge_app(docker_client: Any, base_image: str) -> Iterator[BridgeApp]:
             all=True, filters={"label": f"{LABEL_APP}={SANDBOX_APP}"}
         ):
             c.remove(force=True)
+        release_all(state)  # R2: the quota images' mounts, before their files go
         shutil.rmtree(state, ignore_errors=True)
 
 
