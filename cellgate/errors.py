@@ -18,8 +18,9 @@
     │   ├── ImageError(image, reason)           an image is missing or failed to build
     │   ├── MountVerificationFailed(container, violations)
     │   │                                       a container's mounts are wider than its plan
-    │   └── ExecFailed(reason, exit_code, stderr)
-    │                                           a command could not be run in a sandbox
+    │   ├── ExecFailed(reason, exit_code, stderr)
+    │   │                                       a command could not be run in a sandbox
+    │   └── QuotaError(reason)                  no disk quota for a conversation (R2)
     └── StoreError(reason)                      the state database failed or refused
         ├── StoreFull(reason)                   its disk is full; nothing was written
         ├── NotFound(kind, key)                 no row with that id
@@ -153,6 +154,14 @@ class ExecFailed(SandboxError):
         self.exit_code = exit_code
         self.stderr = stderr
         super().__init__(reason)
+
+
+class QuotaError(SandboxError):
+    """A conversation's writable storage cannot get its hard quota (R2); nothing runs."""
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+        super().__init__(f"no disk quota for this conversation's storage (R2): {reason}")
 
 
 class StoreError(CellgateError):

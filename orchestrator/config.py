@@ -47,8 +47,22 @@ class Limits(_Model):
     pids: int = Field(128, ge=16, le=65536)
     memory_mb: int = Field(512, alias="memoryMb", ge=32, le=65536)
     cpus: float = Field(1.0, gt=0, le=64)
+    # R2: one conversation's chat dir, media and home share one image this big.
+    disk_mb: int = Field(256, alias="diskMb", ge=8, le=1_048_576)
+    disk_inodes: int = Field(20_000, alias="diskInodes", ge=128, le=100_000_000)
+    # Writable dirs are mounted noexec unless this is true.
+    writable_exec: StrictBool = Field(False, alias="writableExec")
     # R4: live sandboxes per gateway; unset: as many as fit in 80% of host memory.
     max_sandboxes: int | None = Field(None, alias="maxSandboxes", ge=1, le=100_000)
+
+    @model_validator(mode="after")
+    def _inodes_fit(self) -> Limits:
+        if self.disk_inodes * 256 * 2 > self.disk_mb * 1024 * 1024:
+            raise ValueError(
+                f"diskInodes {self.disk_inodes} do not fit in diskMb {self.disk_mb} "
+                "(each inode takes 256 bytes; keep them under half the disk)"
+            )
+        return self
 
 
 class Admission(_Model):
@@ -85,6 +99,9 @@ class GatewaySettings(_Model):
     turn_timeout_seconds: float = Field(120, alias="turnTimeoutSeconds", gt=0)
     max_concurrent_turns: int = Field(8, alias="maxConcurrentTurns", ge=1, le=1024)
     base_image: str | None = Field(None, alias="baseImage")
+    # R2: "required" refuses sandboxed agents when no disk quota works here;
+    # "off" serves them without one, with a warning at every start.
+    quota: Literal["required", "off"] = "required"
 
 
 class ShellHarness(_Model):

@@ -12,7 +12,9 @@ import asyncio
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 
+from cellgate.errors import QuotaError
 from cellgate.models import ConversationKey
 from orchestrator.apps import InstalledApp
 from orchestrator.config import GatewaySettings
@@ -22,6 +24,7 @@ from policies.secrets import env_entry
 from sandbox.backends.base import ImageFacts, SandboxBackend, SandboxHandle
 from sandbox.gateway_id import valid_gateway_id
 from sandbox.mountplan import own_dirs, plan_mounts, scan_workspace
+from sandbox.quota import LoopQuota, QuotaLimits, QuotaTarget, probe
 from sandbox.spec import DEFAULT_UID, SandboxLimits, SandboxSpec, sandbox_name
 
 logger = logging.getLogger(__name__)
@@ -62,6 +65,41 @@ def limits_from(settings: GatewaySettings) -> SandboxLimits:
     )
 
 
+def quota_from(settings: GatewaySettings, app: InstalledApp) -> tuple[LoopQuota | None, str | None]:
+    """The disk quota (R2) for an app agent's conversations, or why there is none.
+
+    Returns `(quota, None)`, `(None, None)` when the operator turned it off, or
+    `(None, reason)` when it is required and does not work here. The images
+    live in the state directory the app is installed in (`<stateDir>/quota/`).
+    """
+    agent = app.agent
+    root = app.agent_root.parent.parent / "quota"
+    if settings.quota == "off":
+        logger.warning(
+            'gateway.quota is "off": agent %s\'s conversations have no disk quota, so one '
+            "stranger's `dd` can fill this host's disk (R2)",
+            agent,
+        )
+        return None, None
+    support = probe(root)
+    if not support.ok:
+        logger.error(
+            "agent %s is refused: no disk quota works here (R2): %s", agent, support.reason
+        )
+        return None, support.reason
+    lim = settings.limits
+    limits = QuotaLimits(lim.disk_mb * 1024 * 1024, lim.disk_inodes, lim.writable_exec)
+    return LoopQuota(root, limits), None
+
+
+def quota_targets(paths: ConversationPaths, agent_root: Path) -> tuple[QuotaTarget, ...]:
+    return (
+        QuotaTarget("chat", paths.workspace, paths.chat_dir),
+        QuotaTarget(f"media/{paths.media_dir.name}", paths.workspace, paths.media_dir),
+        QuotaTarget("home", agent_root, paths.home_dir),
+    )
+
+
 @dataclass(frozen=True, slots=True)
 class PreparedSandbox:
     spec: SandboxSpec
@@ -91,6 +129,7 @@ class ConversationSandboxes:
         self.backend = backend
         self.gateway_id = gateway_id
         self._image: ImageFacts | None = None
+        self.quota, self.quota_refusal = quota_from(settings, app)
 
     async def image(self) -> ImageFacts:
         if self._image is None:
@@ -106,6 +145,9 @@ class ConversationSandboxes:
         paths = conversation_paths(self.app.agent_root, self.app.workspace, key, session_id)
 
         def prepare() -> SandboxSpec:
+            if self.quota is not None:
+                targets = quota_targets(paths, self.app.agent_root)
+                self.quota.ensure(self.app.agent, key.digest, targets, (uid, gid))
             ensure_conversation(paths, uid, gid)
             snap = scan_workspace(paths.workspace)
             own = own_dirs(paths.chat_dir, paths.media_dir, paths.home_dir, paths.bridge_dir)
@@ -128,6 +170,8 @@ class ConversationSandboxes:
         return await asyncio.to_thread(prepare), paths
 
     async def ensure(self, key: ConversationKey, session_id: str) -> PreparedSandbox:
+        if self.quota_refusal is not None:
+            raise QuotaError(self.quota_refusal)
         spec, paths = await self.spec_for(key, session_id)
         handle = await self.backend.ensure(spec)
         logger.debug("sandbox %s ready", handle.name, extra={"conversation": key.digest})

@@ -7,6 +7,7 @@ here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 repo="$(cd "$here/.." && pwd)"
 
 bash "$here/setup-engine.sh"
+bash "$here/setup-quota.sh"
 
 venv="${CELLGATE_VENV:-$repo/.venv}"
 if [ ! -x "$venv/bin/python" ]; then

@@ -6,6 +6,8 @@
 - R1: when an engine answers, a FOREIGN gateway's sandboxes (cellgate labels, the
   app names the tests use, another gateway id) live through the whole session;
   the run fails if any test (or a gateway under test) removed one.
+- Every quota image a test's gateway mounted (R2) under the test's tmp dirs is
+  unmounted after it, and whatever is left under this session's tmp root at the end.
 """
 
 from __future__ import annotations
@@ -53,6 +55,26 @@ def _loopback_only() -> Iterator[None]:
     yield
     socket.socket.connect = _real_connect  # type: ignore[method-assign]
     socket.socket.connect_ex = _real_connect_ex  # type: ignore[method-assign]
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _quota_mounts_released(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    yield
+    if os.geteuid() == 0:
+        from sandbox.quota import release_all
+
+        release_all(tmp_path_factory.getbasetemp())
+
+
+@pytest.fixture(autouse=True)
+def _test_quota_mounts_released(request: pytest.FixtureRequest) -> Iterator[None]:
+    used = "tmp_path" in request.fixturenames and os.geteuid() == 0
+    tmp = request.getfixturevalue("tmp_path") if used else None
+    yield
+    if tmp is not None:
+        from sandbox.quota import release_all
+
+        release_all(tmp)
 
 
 def require_docker() -> Any:

@@ -40,6 +40,7 @@ from orchestrator.sandboxes import ConversationSandboxes
 from orchestrator.store import SessionId, Store
 from sandbox.backends.base import ExecResult, SandboxBackend, SandboxHandle
 from sandbox.client import cellgate_tool
+from sandbox.quota import release_all
 from tests.support.run_id import RUN_ID, remove_run_containers, seed_gateway_id
 
 AGENT = "bot"
@@ -231,6 +232,7 @@ def bridge_app(docker_client: Any, base_image: str) -> Iterator[BridgeApp]:
         yield BridgeApp(app, load_config(config_path).gateway, state)
     finally:
         remove_run_containers(docker_client, SANDBOX_APP)
+        release_all(state)  # R2: the quota images' mounts, before their files go
         shutil.rmtree(state, ignore_errors=True)
 
 

@@ -1,0 +1,651 @@
+"""A hard quota on one conversation's writable storage: a loop-mounted ext4 image (R2).
+
+A conversation writes to three host directories (its chat dir, its media dir(s)
+and its home). Each conversation gets one fixed-size filesystem image, so one
+budget of bytes and inodes covers all three, and a `dd` or a file flood in the
+sandbox stops with ENOSPC inside its own image; the host's disk only ever pays
+for what was written, at most the image's size (the file is sparse).
+
+Layout under the quota root (`<stateDir>/quota/`), all root-only (0700):
+
+    <agent>/<digest>.img      sparse ext4 image, `bytes` big, at least `inodes` inodes
+    <agent>/<digest>.lock     flock: one ensure at a time per conversation
+    <agent>/<digest>.mnt/     the image, mounted nosuid,nodev (and noexec)
+        chat/  home/  media/<name>/   bind-mounted onto the conversation's host dirs
+        .cellgate/migrated-<target>   the pre-quota copy ran (never seen by a sandbox)
+
+`LoopQuota.ensure` is idempotent and cheap when all is in place: it checks, by
+device and inode and with `/proc/self/mountinfo`, that every host dir is the
+image's subdir with the right flags; after a reboot or an unmount it mounts
+again, reusing a loop device still attached to the same image so that one
+image is never mounted through two devices. Data a host dir held before the
+quota is copied into the image once, bounded by the image's bytes and inodes
+(no-follow; FIFOs, sockets and devices left out), then removed from under the
+mount when the copy was complete.
+
+`probe` checks once per filesystem that the mechanism works here (root, loop
+devices, mkfs.ext4, mount) by making, mounting and removing a small image.
+XFS project quotas and btrfs qgroups are not used: the loop image needs only
+what every Linux host has, and is what the tests prove.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import logging
+import os
+import re
+import shutil
+import stat
+import subprocess
+import tempfile
+import threading
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from cellgate.errors import QuotaError
+
+logger = logging.getLogger(__name__)
+
+TOOL_DIRS = ("/usr/sbin", "/sbin", "/usr/bin", "/bin")
+COMMAND_TIMEOUT = 60.0
+MARKERS = ".cellgate"
+MAX_DEPTH = 64
+SPARE_INODES = 16  # held back for the gateway's own files (CLAUDE.md, transcript)
+FIXED_TARGETS = ("chat", "home")
+
+
+@dataclass(frozen=True, slots=True)
+class QuotaLimits:
+    """One conversation's budget: bytes and inodes of its image, and whether exec is allowed."""
+
+    bytes: int
+    inodes: int
+    exec_allowed: bool = False
+
+    def mount_flags(self) -> tuple[str, ...]:
+        return ("nosuid", "nodev", "exec" if self.exec_allowed else "noexec")
+
+
+@dataclass(frozen=True, slots=True)
+class QuotaTarget:
+    """A host dir the sandbox writes to, and the image subdir that backs it.
+
+    `name` is `chat`, `home` or `media/<dir name>`; `base` is a directory the
+    gateway owns that `path` lies under (created below it without following
+    symlinks).
+    """
+
+    name: str
+    base: Path
+    path: Path
+
+    def __post_init__(self) -> None:
+        parts = self.name.split("/")
+        ok = self.name in FIXED_TARGETS or (
+            len(parts) == 2 and parts[0] == "media" and parts[1] not in ("", ".", "..")
+        )
+        if not ok:
+            raise ValueError(f"quota target {self.name!r} is not chat, home or media/<name>")
+
+
+@dataclass(frozen=True, slots=True)
+class QuotaSupport:
+    """Whether the loop-image quota works on this host, and why not."""
+
+    ok: bool
+    mechanism: str
+    reason: str
+
+
+# -- the kernel's view: mountinfo and loop devices ---------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class MountEntry:
+    dev: int
+    root: str
+    mount_point: str
+    options: frozenset[str]
+    fstype: str
+
+
+_ESCAPE = re.compile(r"\\([0-7]{3})")
+
+
+def _unescape(text: str) -> str:
+    return _ESCAPE.sub(lambda m: chr(int(m.group(1), 8)), text)
+
+
+def mountinfo() -> list[MountEntry]:
+    """This process's mounts, in the kernel's order (a later entry is mounted on top)."""
+    out: list[MountEntry] = []
+    with open("/proc/self/mountinfo", encoding="utf-8", errors="surrogateescape") as f:
+        for line in f:
+            fields = line.split()
+            sep = fields.index("-")
+            major, minor = (int(x) for x in fields[2].split(":"))
+            out.append(
+                MountEntry(
+                    dev=os.makedev(major, minor),
+                    root=_unescape(fields[3]),
+                    mount_point=_unescape(fields[4]),
+                    options=frozenset(fields[5].split(",")),
+                    fstype=fields[sep + 1],
+                )
+            )
+    return out
+
+
+def _top(entries: Sequence[MountEntry], mount_point: str) -> MountEntry | None:
+    found = [e for e in entries if e.mount_point == mount_point]
+    return found[-1] if found else None
+
+
+def loop_backing_file(dev: int) -> str | None:
+    """The file behind a loop block device, or None if `dev` is not one."""
+    p = Path(f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}/loop/backing_file")
+    try:
+        return p.read_text(encoding="utf-8", errors="surrogateescape").rstrip("\n")
+    except OSError:
+        return None
+
+
+def _attached_loop(image: str) -> str | None:
+    """A loop device already backed by `image` (still held by a container, say)."""
+    for d in sorted(Path("/sys/block").glob("loop*")):
+        try:
+            back = (d / "loop" / "backing_file").read_text(encoding="utf-8").rstrip("\n")
+        except OSError:
+            continue
+        if back == image:
+            return f"/dev/{d.name}"
+    return None
+
+
+def _tool(name: str) -> str | None:
+    found = shutil.which(name)
+    if found:
+        return found
+    for d in TOOL_DIRS:
+        p = Path(d) / name
+        if os.access(p, os.X_OK):
+            return str(p)
+    return None
+
+
+def _run(argv: Sequence[str], what: str) -> None:
+    tool = _tool(argv[0])
+    if tool is None:
+        raise QuotaError(
+            f"{argv[0]} is not installed; run `sudo bash scripts/setup-quota.sh` "
+            "(installs e2fsprogs and util-linux mount)"
+        )
+    try:
+        proc = subprocess.run(
+            [tool, *argv[1:]],
+            capture_output=True,
+            text=True,
+            timeout=COMMAND_TIMEOUT,
+            check=False,
+            env={"PATH": ":".join(TOOL_DIRS), "LC_ALL": "C"},
+        )
+    except subprocess.TimeoutExpired as exc:
+        raise QuotaError(f"{what}: `{argv[0]}` did not finish in {COMMAND_TIMEOUT:g} s") from exc
+    if proc.returncode != 0:
+        detail = (proc.stderr or proc.stdout).strip()[:500]
+        raise QuotaError(f"{what}: `{' '.join(argv)}` failed ({proc.returncode}): {detail}")
+
+
+# -- images and mounts ------------------------------------------------------
+
+
+def root_reserve_percent(size: int) -> str:
+    """Blocks only root (the gateway) may use: 1/64 of the image, 1 MiB to 1/8."""
+    reserve = min(max(size // 64, 1 << 20), size // 8)
+    return f"{reserve * 100 / size:.3f}"
+
+
+def make_image(image: Path, limits: QuotaLimits) -> None:
+    """A sparse file of `limits.bytes` with a fresh ext4 (journal, a small root reserve).
+
+    The sandbox never runs as root, so the reserve keeps room for the gateway's
+    own writes (the session's CLAUDE.md, the transcript) when a sandbox has
+    filled the rest: a full conversation can still take the turn that cleans it.
+    """
+    tmp = image.with_name(f".{image.name}.new")
+    with contextlib.suppress(FileNotFoundError):
+        tmp.unlink()
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        os.ftruncate(fd, limits.bytes)
+    finally:
+        os.close(fd)
+    try:
+        _run(
+            ["mkfs.ext4", "-q", "-F", "-m", root_reserve_percent(limits.bytes),
+             "-N", str(limits.inodes + SPARE_INODES), "-L", "cellgate", str(tmp)],
+            f"making the quota image {image}",
+        )  # fmt: skip
+        os.replace(tmp, image)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            tmp.unlink()
+
+
+def _mount_image(image: str, mnt: Path, limits: QuotaLimits) -> None:
+    opts = ",".join(limits.mount_flags())
+    dev = _attached_loop(image)
+    if dev is not None:
+        _run(["mount", "-t", "ext4", "-o", opts, dev, str(mnt)], f"mounting {image} ({dev})")
+    else:
+        _run(["mount", "-t", "ext4", "-o", f"loop,{opts}", image, str(mnt)], f"mounting {image}")
+
+
+def _flags_ok(entry: MountEntry, limits: QuotaLimits) -> bool:
+    exec_on = "noexec" not in entry.options
+    return (
+        "rw" in entry.options
+        and {"nosuid", "nodev"} <= entry.options
+        and exec_on == limits.exec_allowed
+    )
+
+
+def _remount(path: str, limits: QuotaLimits, *, bind: bool) -> None:
+    opts = ",".join(("remount", *(("bind",) if bind else ()), "rw", *limits.mount_flags()))
+    _run(["mount", "-o", opts, path], f"setting nosuid,nodev on {path}")
+
+
+def unmount(path: str) -> None:
+    """Unmount `path`; lazily when busy (a sandbox may still hold it)."""
+    try:
+        _run(["umount", path], f"unmounting {path}")
+    except QuotaError:
+        _run(["umount", "-l", path], f"unmounting {path} lazily")
+
+
+def release_all(root: Path) -> list[str]:
+    """Unmount every mount of an image under `root` (binds first); the paths unmounted.
+
+    Touches nothing else: a mount counts only if its device is a loop device
+    backed by a file under `root`, or it is mounted under `root`.
+    """
+    base = os.path.realpath(root)
+    done: list[str] = []
+    for _ in range(8):
+        entries = mountinfo()
+        ours = [
+            e
+            for e in entries
+            if _under(e.mount_point, base) or _under(loop_backing_file(e.dev) or "", base)
+        ]
+        if not ours:
+            break
+        for e in reversed(ours):
+            with contextlib.suppress(QuotaError):
+                unmount(e.mount_point)
+                done.append(e.mount_point)
+    return done
+
+
+def _under(path: str, base: str) -> bool:
+    return bool(path) and (path == base or path.startswith(base.rstrip("/") + "/"))
+
+
+# -- a pre-quota host dir copied in once -------------------------------------
+
+
+@dataclass
+class _Budget:
+    bytes: int
+    entries: int
+    copied_files: int = 0
+    copied_bytes: int = 0
+    left_out: list[str] = field(default_factory=list)
+
+
+def _owner(st: os.stat_result, fd: int | None = None, path: Path | None = None) -> None:
+    if os.geteuid() != 0:
+        return
+    if fd is not None:
+        os.fchown(fd, st.st_uid, st.st_gid)
+    elif path is not None:
+        os.chown(path, st.st_uid, st.st_gid, follow_symlinks=False)
+
+
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def _copy_file(src_dir: int, name: str, dst: Path, st: os.stat_result) -> int:
+    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+    sfd = os.open(name, flags, dir_fd=src_dir)
+    try:
+        if not stat.S_ISREG(os.fstat(sfd).st_mode):
+            raise OSError(f"{dst.name} changed kind while copying")
+        dfd = os.open(
+            dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600
+        )
+        try:
+            left = st.st_size
+            while left > 0:
+                chunk = os.read(sfd, min(left, 1 << 20))
+                if not chunk:
+                    break
+                os.write(dfd, chunk)
+                left -= len(chunk)
+            os.fchmod(dfd, stat.S_IMODE(st.st_mode) & 0o777)
+            _owner(st, fd=dfd)
+        finally:
+            os.close(dfd)
+    finally:
+        os.close(sfd)
+    return st.st_size
+
+
+def _copy_tree(src: int, label: Path, dst: Path, budget: _Budget, depth: int = 0) -> None:
+    """Copy the directory open at `src` into `dst`, every step relative to an open fd.
+
+    A directory swapped for a symlink mid-copy fails its O_NOFOLLOW open; nothing
+    outside the host dir is ever read.
+    """
+    if depth > MAX_DEPTH:
+        budget.left_out.append(f"{label} (deeper than {MAX_DEPTH})")
+        return
+    with os.scandir(src) as it:
+        for de in it:
+            budget.entries -= 1
+            if budget.entries < 0:
+                budget.left_out.append(f"{label} (more entries than the image's inodes)")
+                return
+            d = dst / de.name
+            st = os.stat(de.name, dir_fd=src, follow_symlinks=False)
+            if stat.S_ISDIR(st.st_mode):
+                os.mkdir(d, 0o700)
+                sub = os.open(de.name, _DIR_FLAGS, dir_fd=src)
+                try:
+                    _copy_tree(sub, label / de.name, d, budget, depth + 1)
+                finally:
+                    os.close(sub)
+                os.chmod(d, stat.S_IMODE(st.st_mode) & 0o777)
+                _owner(st, path=d)
+            elif stat.S_ISREG(st.st_mode):
+                if st.st_size > budget.bytes:
+                    budget.left_out.append(f"{label / de.name} ({st.st_size} bytes, over quota)")
+                    continue
+                n = _copy_file(src, de.name, d, st)
+                budget.bytes -= n
+                budget.copied_bytes += n
+                budget.copied_files += 1
+            elif stat.S_ISLNK(st.st_mode):
+                os.symlink(os.readlink(de.name, dir_fd=src), d)
+                _owner(st, path=d)
+            else:
+                budget.left_out.append(f"{label / de.name} (not a file, directory or symlink)")
+
+
+def _migrate(target: QuotaTarget, sub: Path, limits: QuotaLimits) -> None:
+    """Copy what the host dir held before the quota into the image, once, bounded."""
+    try:
+        with os.scandir(target.path) as it:
+            empty = next(it, None) is None
+    except OSError as exc:
+        raise QuotaError(f"cannot read {target.path}: {exc.strerror}") from exc
+    if empty:
+        return
+    free = os.statvfs(sub)
+    budget = _Budget(bytes=free.f_bavail * free.f_frsize, entries=min(free.f_favail, limits.inodes))
+    complete = True
+    try:
+        top = os.open(target.path, _DIR_FLAGS)
+        try:
+            _copy_tree(top, target.path, sub, budget)
+        finally:
+            os.close(top)
+    except OSError as exc:
+        complete = False
+        budget.left_out.append(f"copy stopped: {exc}")
+    complete = complete and not budget.left_out
+    if complete:
+        try:
+            for de in os.scandir(target.path):
+                p = target.path / de.name
+                if de.is_dir(follow_symlinks=False):
+                    shutil.rmtree(p)
+                else:
+                    os.unlink(p)
+        except OSError as exc:
+            complete = False
+            budget.left_out.append(f"removing the originals stopped: {exc}")
+    log = logger.info if complete else logger.warning
+    log(
+        "quota (R2): copied %d files (%d bytes) from %s into its quota image%s",
+        budget.copied_files,
+        budget.copied_bytes,
+        target.path,
+        "" if complete else "; left under the mount on the host: " + "; ".join(budget.left_out[:5]),
+    )
+
+
+# -- the per-conversation quota ----------------------------------------------
+
+
+def _mkdirs_nofollow(base: Path, target: Path, mode: int = 0o755) -> None:
+    current = base
+    for part in target.relative_to(base).parts:
+        current = current / part
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(current, mode)
+        if not stat.S_ISDIR(os.lstat(current).st_mode):
+            raise QuotaError(f"{current} exists and is not a directory (symlinks are refused)")
+
+
+def _keep_spare_inodes(mnt: Path, spare: Path) -> None:
+    """ext4 reserves blocks for root but no inodes: hold a few as empty files.
+
+    When a sandbox has used every other inode they are given back, so that the
+    gateway can still write its own files for the next turn.
+    """
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(spare, 0o700)
+    held = sorted(os.listdir(spare))
+    free = os.statvfs(mnt).f_ffree
+    if free < SPARE_INODES // 2 and held:
+        for name in held:
+            os.unlink(spare / name)
+        logger.warning(
+            "quota (R2): %s is out of inodes; gave the gateway %d spare ones", mnt, len(held)
+        )
+    elif len(held) < SPARE_INODES and free > 2 * SPARE_INODES:
+        for i in range(SPARE_INODES):
+            with contextlib.suppress(FileExistsError):
+                os.close(os.open(spare / str(i), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+
+
+_THREAD_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def _locked(lock_path: Path) -> Iterator[None]:
+    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+class LoopQuota:
+    """Per-conversation images under `root`, each `limits` big."""
+
+    def __init__(self, root: Path, limits: QuotaLimits) -> None:
+        self.root = Path(os.path.realpath(root))
+        self.limits = limits
+
+    def image(self, agent: str, digest: str) -> Path:
+        return self.root / agent / f"{digest}.img"
+
+    def mount_dir(self, agent: str, digest: str) -> Path:
+        return self.root / agent / f"{digest}.mnt"
+
+    def ensure(
+        self,
+        agent: str,
+        digest: str,
+        targets: Sequence[QuotaTarget],
+        owner: tuple[int, int] | None,
+    ) -> None:
+        """Every target is its image subdir, mounted nosuid,nodev[,noexec]; idempotent."""
+        if not re.fullmatch(r"[a-z0-9][a-z0-9-]{0,39}", agent) or not digest.isalnum():
+            raise QuotaError(f"unusable quota name {agent!r}/{digest!r}")
+        agent_dir = self.root / agent
+        self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
+        for d in (self.root, agent_dir):
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(d, 0o700)
+            if not stat.S_ISDIR(os.lstat(d).st_mode):
+                raise QuotaError(f"{d} is not a directory")
+        image, mnt = self.image(agent, digest), self.mount_dir(agent, digest)
+        with _locked(agent_dir / f"{digest}.lock"):
+            if not image.exists():
+                make_image(image, self.limits)
+            entries = mountinfo()
+            dev = self._mount(image, mnt, entries)
+            markers = mnt / MARKERS
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(markers, 0o700)
+            _keep_spare_inodes(mnt, markers / "spare")
+            for t in targets:
+                self._bind(t, mnt, markers, dev, owner, entries)
+
+    def _mount(self, image: Path, mnt: Path, entries: Sequence[MountEntry]) -> int:
+        """The image's device, mounted at `mnt` with the right flags."""
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(mnt, 0o700)
+        if not stat.S_ISDIR(os.lstat(mnt).st_mode):
+            raise QuotaError(f"{mnt} is not a directory")
+        top = _top(entries, str(mnt))
+        if top is not None and loop_backing_file(top.dev) != str(image):
+            raise QuotaError(
+                f"{mnt} holds another mount ({top.fstype}); unmount it (`umount {mnt}`)"
+            )
+        if top is None:
+            _mount_image(str(image), mnt, self.limits)
+            top = _top(mountinfo(), str(mnt))
+            if top is None or loop_backing_file(top.dev) != str(image):
+                raise QuotaError(f"{image} did not show up mounted at {mnt}")
+            logger.info("quota (R2): mounted %s at %s", image, mnt)
+        if not _flags_ok(top, self.limits):
+            _remount(str(mnt), self.limits, bind=False)
+        return top.dev
+
+    def _bind(
+        self,
+        t: QuotaTarget,
+        mnt: Path,
+        markers: Path,
+        dev: int,
+        owner: tuple[int, int] | None,
+        entries: Sequence[MountEntry],
+    ) -> None:
+        sub = mnt / t.name
+        _mkdirs_nofollow(mnt, sub)
+        if owner is not None and os.geteuid() == 0:
+            os.chown(sub, owner[0], owner[1], follow_symlinks=False)
+        _mkdirs_nofollow(t.base, t.path)
+        host = os.path.realpath(t.path)
+        have, want = os.lstat(host), os.lstat(sub)
+        if (have.st_dev, have.st_ino) == (want.st_dev, want.st_ino):
+            top = _top(entries, host) or _top(mountinfo(), host)
+            if top is None or top.dev != dev:
+                raise QuotaError(f"{host} is the image's {t.name} but no mount of it is listed")
+            if not _flags_ok(top, self.limits):
+                _remount(host, self.limits, bind=True)
+            return
+        top = _top(entries, host)
+        if top is not None:
+            raise QuotaError(
+                f"{host} is already a mount point ({top.fstype} {top.root}), not this "
+                f"conversation's quota image; unmount it (`umount {host}`) and retry"
+            )
+        marker = markers / f"migrated-{t.name.replace('/', '-')}"
+        if not marker.exists():
+            _migrate(QuotaTarget(t.name, t.base, Path(host)), sub, self.limits)
+            marker.touch(0o600)
+        _run(["mount", "--bind", str(sub), host], f"binding the quota image onto {host}")
+        _remount(host, self.limits, bind=True)
+        have = os.lstat(host)
+        if (have.st_dev, have.st_ino) != (want.st_dev, want.st_ino):
+            raise QuotaError(f"{host} is not the quota image's {t.name} after binding it")
+
+
+# -- does it work here? --------------------------------------------------------
+
+_PROBED: dict[tuple[int, int], QuotaSupport] = {}
+
+
+def probe(root: Path) -> QuotaSupport:
+    """Try the mechanism once per (user, filesystem): make, mount, write, unmount an image."""
+    uid = os.geteuid()
+    if uid != 0:
+        return QuotaSupport(
+            False,
+            "",
+            f"the gateway runs as uid {uid}, not root: a per-conversation disk quota "
+            "loop-mounts an image, which needs root. Run the gateway as root (the sandboxes "
+            'still run unprivileged), or set `gateway.quota` to "off" in the config file '
+            "(then one stranger can fill this host's disk)",
+        )
+    missing = [t for t in ("mkfs.ext4", "mount", "umount") if _tool(t) is None]
+    if missing:
+        return QuotaSupport(
+            False,
+            "",
+            f"{', '.join(missing)} not found: run `sudo bash scripts/setup-quota.sh` "
+            "(installs e2fsprogs and util-linux mount)",
+        )
+    if not (Path("/dev/loop-control").exists() or Path("/dev/loop0").exists()):
+        return QuotaSupport(
+            False,
+            "",
+            "no loop devices (/dev/loop-control is missing): load the loop module "
+            "(`modprobe loop`); in a container, give it the loop devices",
+        )
+    try:
+        root.mkdir(parents=True, exist_ok=True, mode=0o700)
+        key = (uid, os.stat(root).st_dev)
+    except OSError as exc:
+        return QuotaSupport(False, "", f"cannot create {root}: {exc.strerror}")
+    with _THREAD_LOCK:
+        cached = _PROBED.get(key)
+        if cached is None:
+            cached = _try_loop(root)
+            _PROBED[key] = cached
+    return cached
+
+
+def _try_loop(root: Path) -> QuotaSupport:
+    limits = QuotaLimits(bytes=8 << 20, inodes=256)
+    with tempfile.TemporaryDirectory(dir=root, prefix=".probe-") as tmp:
+        image, mnt = Path(tmp) / "probe.img", Path(tmp) / "mnt"
+        mnt.mkdir()
+        try:
+            make_image(image, limits)
+            _mount_image(str(os.path.realpath(image)), mnt, limits)
+            try:
+                (mnt / "probe").write_bytes(b"cellgate")
+                free = os.statvfs(mnt)
+                if free.f_blocks * free.f_frsize > limits.bytes:
+                    return QuotaSupport(False, "", "the probe image is bigger than asked")
+            finally:
+                unmount(str(mnt))
+        except (QuotaError, OSError) as exc:
+            return QuotaSupport(
+                False,
+                "",
+                f"a loop-mounted ext4 image does not work here ({exc}); install e2fsprogs "
+                "and util-linux (`sudo bash scripts/setup-quota.sh`) and give the gateway "
+                "loop devices",
+            )
+    return QuotaSupport(True, "loop-ext4", "a loop-mounted ext4 image per conversation")

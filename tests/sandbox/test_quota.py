@@ -1,0 +1,314 @@
+"""R2: the per-conversation loop-image quota, on this host's real kernel (no engine needed).
+
+Every image and mount is under the test's tmp dir; the `quota` fixture unmounts
+them after the test, even on failure.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import logging
+import os
+import subprocess
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from cellgate.errors import QuotaError
+from cellgate.models import ConversationKey
+from orchestrator.apps import InstalledApp
+from orchestrator.config import GatewaySettings, Limits
+from orchestrator.sandboxes import ConversationSandboxes
+from sandbox.quota import (
+    LoopQuota,
+    QuotaLimits,
+    QuotaTarget,
+    mountinfo,
+    probe,
+    release_all,
+)
+from tests.fakes.no_engine import NoEngineBackend
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="loop mounts need root")
+
+MB = 1024 * 1024
+DISK_MB = 16
+INODES = 2000
+OWNER = (65532, 65532)
+
+
+@dataclass
+class Conv:
+    quota: LoopQuota
+    digest: str
+    targets: tuple[QuotaTarget, ...]
+
+    @property
+    def chat(self) -> Path:
+        return self.targets[0].path
+
+    @property
+    def media(self) -> Path:
+        return self.targets[1].path
+
+    @property
+    def home(self) -> Path:
+        return self.targets[2].path
+
+    def ensure(self) -> None:
+        self.quota.ensure("agent-q", self.digest, self.targets, OWNER)
+
+
+@pytest.fixture
+def quota(tmp_path: Path) -> Iterator[LoopQuota]:
+    try:
+        yield LoopQuota(tmp_path / "state" / "quota", QuotaLimits(DISK_MB * MB, INODES))
+    finally:
+        release_all(tmp_path)
+
+
+def conv(quota: LoopQuota, tmp: Path, name: str) -> Conv:
+    ws, agent_root = tmp / "ws", tmp / "agent"
+    ws.mkdir(exist_ok=True)
+    agent_root.mkdir(exist_ok=True)
+    digest = f"{abs(hash(name)):016x}"[:16]
+    return Conv(
+        quota,
+        digest,
+        (
+            QuotaTarget("chat", ws, ws / "chats" / name),
+            QuotaTarget(f"media/tg-{name}", ws, ws / "media" / f"tg-{name}"),
+            QuotaTarget("home", agent_root, agent_root / "sandbox-homes" / name),
+        ),
+    )
+
+
+def fill(path: Path) -> int:
+    """Write zeros until the filesystem refuses; the bytes that got in."""
+    written = 0
+    block = b"\0" * MB
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        for _ in range(4 * DISK_MB):
+            try:
+                written += os.write(fd, block)
+            except OSError as exc:
+                assert exc.errno in (errno.ENOSPC, errno.EDQUOT), exc
+                return written
+        raise AssertionError(f"wrote {written} bytes into a {DISK_MB} MB quota without ENOSPC")
+    finally:
+        os.close(fd)
+
+
+def entries_at(path: Path) -> list[str]:
+    return [e.root for e in mountinfo() if e.mount_point == str(path)]
+
+
+def test_r2_probe_finds_the_loop_quota_on_this_host(tmp_path: Path) -> None:
+    support = probe(tmp_path / "quota")
+    assert support.ok, support.reason
+    assert support.mechanism == "loop-ext4"
+    assert not any(p.name.startswith(".probe") for p in (tmp_path / "quota").iterdir())
+
+
+def test_r2_three_dirs_one_image_nosuid_nodev_noexec(quota: LoopQuota, tmp_path: Path) -> None:
+    c = conv(quota, tmp_path, "a")
+    c.ensure()
+    image_dev = os.stat(quota.mount_dir("agent-q", c.digest)).st_dev
+    for t in c.targets:
+        assert os.lstat(t.path).st_dev == image_dev, t.path
+        assert os.lstat(t.path).st_uid == OWNER[0]
+        top = [e for e in mountinfo() if e.mount_point == str(t.path)][-1]
+        assert {"rw", "nosuid", "nodev", "noexec"} <= top.options, top
+        assert top.root == "/" + t.name
+    image = quota.image("agent-q", c.digest)
+    assert image.stat().st_size == DISK_MB * MB
+    assert image.stat().st_blocks * 512 < DISK_MB * MB // 2  # sparse
+
+
+def test_r2_dd_stops_at_the_quota_for_all_three_dirs_and_not_the_neighbour(
+    quota: LoopQuota, tmp_path: Path
+) -> None:
+    a, b = conv(quota, tmp_path, "a"), conv(quota, tmp_path, "b")
+    a.ensure()
+    b.ensure()
+    host_before = os.statvfs(tmp_path)
+    written = fill(a.chat / "big")
+    assert 10 * MB < written <= DISK_MB * MB
+    with pytest.raises(OSError) as exc:  # media and home share the same budget
+        (a.media / "more").write_bytes(b"x" * MB)
+    assert exc.value.errno == errno.ENOSPC
+    host_after = os.statvfs(tmp_path)
+    drop = (host_before.f_bavail - host_after.f_bavail) * host_after.f_frsize
+    assert drop <= DISK_MB * MB + 32 * MB, drop
+    assert quota.image("agent-q", a.digest).stat().st_blocks * 512 <= DISK_MB * MB
+    (b.home / "fine").write_bytes(b"y" * (4 * MB))  # another conversation still writes
+    assert (b.home / "fine").stat().st_size == 4 * MB
+    print(f"R2 figures: wrote {written} bytes before ENOSPC; host free dropped {drop} bytes")
+
+
+def test_r2_inode_flood_stops_at_the_inode_limit(quota: LoopQuota, tmp_path: Path) -> None:
+    c = conv(quota, tmp_path, "a")
+    c.ensure()
+    made = 0
+    with pytest.raises(OSError) as exc:
+        for i in range(10 * INODES):
+            os.close(os.open(c.home / f"f{i}", os.O_WRONLY | os.O_CREAT, 0o600))
+            made += 1
+    assert exc.value.errno == errno.ENOSPC
+    assert INODES * 0.8 < made < INODES * 1.6, made
+
+
+def test_r2_after_an_unmount_ensure_mounts_again_and_the_data_is_there(
+    quota: LoopQuota, tmp_path: Path
+) -> None:
+    c = conv(quota, tmp_path, "a")
+    c.ensure()
+    (c.chat / "MEMORY.md").write_text("remember me")
+    c.ensure()  # idempotent: nothing stacked
+    assert len(entries_at(c.chat)) == 1
+    released = release_all(tmp_path)  # a reboot, as far as mounts go
+    assert str(c.chat) in released
+    assert not (c.chat / "MEMORY.md").exists()
+    c.ensure()
+    assert (c.chat / "MEMORY.md").read_text() == "remember me"
+    assert len(entries_at(c.chat)) == 1
+    assert len(entries_at(quota.mount_dir("agent-q", c.digest))) == 1
+
+
+def test_r2_pre_quota_data_is_copied_in_once_without_following_anything(
+    quota: LoopQuota, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    c = conv(quota, tmp_path, "a")
+    c.chat.mkdir(parents=True)
+    (c.chat / "MEMORY.md").write_text("old memory")
+    (c.chat / "notes").mkdir()
+    (c.chat / "notes" / "n.txt").write_text("n")
+    (c.chat / "passwd").symlink_to("/etc/passwd")
+    os.mkfifo(c.chat / "fifo")
+    with open(c.chat / "sparse", "wb") as f:  # 1 GB that costs nothing: left out
+        f.truncate(1024 * MB)
+    with caplog.at_level(logging.INFO, logger="sandbox.quota"):
+        c.ensure()
+    assert (c.chat / "MEMORY.md").read_text() == "old memory"
+    assert (c.chat / "notes" / "n.txt").read_text() == "n"
+    assert os.readlink(c.chat / "passwd") == "/etc/passwd"  # recreated as a link, not read
+    assert (c.chat / "passwd").is_symlink()
+    assert not (c.chat / "fifo").exists()
+    assert not (c.chat / "sparse").exists()
+    assert "left under the mount" in caplog.text and "fifo" in caplog.text
+    (c.chat / "MEMORY.md").write_text("newer")
+    release_all(tmp_path)
+    assert (c.chat / "MEMORY.md").read_text() == "old memory"  # the originals, kept (incomplete)
+    c.ensure()
+    assert (c.chat / "MEMORY.md").read_text() == "newer"  # copied once, never again
+
+
+def test_r2_a_complete_copy_removes_the_host_originals(quota: LoopQuota, tmp_path: Path) -> None:
+    c = conv(quota, tmp_path, "a")
+    c.home.mkdir(parents=True)
+    (c.home / "settings.json").write_text("{}")
+    c.ensure()
+    release_all(tmp_path)
+    assert list(c.home.iterdir()) == []  # the host pays once, inside the image
+    c.ensure()
+    assert (c.home / "settings.json").read_text() == "{}"
+
+
+def test_r2_a_foreign_mount_on_a_conversation_dir_is_refused(
+    quota: LoopQuota, tmp_path: Path
+) -> None:
+    c = conv(quota, tmp_path, "a")
+    c.media.mkdir(parents=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(c.media)], check=True)
+    with pytest.raises(QuotaError, match="already a mount point"):
+        c.ensure()
+
+
+def test_r2_a_symlinked_conversation_dir_is_refused(quota: LoopQuota, tmp_path: Path) -> None:
+    c = conv(quota, tmp_path, "a")
+    c.chat.parent.mkdir(parents=True)
+    (tmp_path / "elsewhere").mkdir()
+    c.chat.symlink_to(tmp_path / "elsewhere")
+    with pytest.raises(QuotaError, match="symlinks are refused"):
+        c.ensure()
+    assert entries_at(tmp_path / "elsewhere") == []
+
+
+def test_r2_exec_allowed_when_the_operator_says_so(tmp_path: Path) -> None:
+    q = LoopQuota(tmp_path / "quota", QuotaLimits(DISK_MB * MB, INODES, exec_allowed=True))
+    try:
+        c = conv(q, tmp_path, "a")
+        c.ensure()
+        top = [e for e in mountinfo() if e.mount_point == str(c.chat)][-1]
+        assert "noexec" not in top.options and {"nosuid", "nodev"} <= top.options
+    finally:
+        release_all(tmp_path)
+
+
+def test_r2_config_defaults_and_bounds() -> None:
+    lim = Limits()
+    assert (lim.disk_mb, lim.disk_inodes, lim.writable_exec) == (256, 20_000, False)
+    assert GatewaySettings().quota == "required"
+    assert GatewaySettings.model_validate({"quota": "off"}).quota == "off"
+    with pytest.raises(ValueError, match="diskInodes"):
+        Limits.model_validate({"diskMb": 8, "diskInodes": 100_000})
+    with pytest.raises(ValueError):
+        GatewaySettings.model_validate({"quota": "maybe"})
+
+
+@contextlib.contextmanager
+def as_nobody() -> Iterator[None]:
+    os.seteuid(65534)
+    try:
+        yield
+    finally:
+        os.seteuid(0)
+
+
+def app_in(state: Path) -> InstalledApp:
+    agent_root = state / "agents" / "quota-bot"
+    return InstalledApp(
+        name="quota",
+        version="1",
+        agent="quota-bot",
+        image="none",
+        image_id="sha256:none",
+        user=None,
+        environment={},
+        networks=(),
+        isolate_memory=True,
+        disable_archive=True,
+        workspace=agent_root / "workspace",
+        agent_root=agent_root,
+    )
+
+
+async def test_r2_without_root_sandboxed_agents_are_refused_with_how_to_fix(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    settings = GatewaySettings.model_validate({"stateDir": str(tmp_path)})
+    with as_nobody(), caplog.at_level(logging.ERROR):
+        support = probe(tmp_path / "quota")
+        sandboxes = ConversationSandboxes(app_in(tmp_path), settings, NoEngineBackend())
+    assert support.ok is False
+    assert "not root" in support.reason and "gateway.quota" in support.reason
+    assert "quota-bot is refused" in caplog.text
+    with pytest.raises(QuotaError, match="not root"):
+        await sandboxes.ensure(ConversationKey("quota-bot", "telegram", "1"), "s-1")
+    assert not (tmp_path / "quota").exists()
+
+
+def test_r2_quota_off_warns_at_every_start(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    settings = GatewaySettings.model_validate({"stateDir": str(tmp_path), "quota": "off"})
+    for _ in range(2):
+        with caplog.at_level(logging.WARNING):
+            sandboxes = ConversationSandboxes(app_in(tmp_path), settings, NoEngineBackend())
+        assert sandboxes.quota is None and sandboxes.quota_refusal is None
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING and "R2" in r.message]
+    assert len(warnings) == 2
