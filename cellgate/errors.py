@@ -142,9 +142,8 @@ class MountVerificationFailed(SandboxError):
         self.violations = tuple(violations)
         listed = "; ".join(self.violations)
         super().__init__(
-            f"refusing to run in {container}: it differs from its plan (S4): {listed}. "
-            f"Nothing was run. Inspect it, then remove it (`docker rm -f {container}`) and the "
-            "next turn recreates it to plan"
+            f"refusing to run in {container}: it differs from its plan (S4, R5): {listed}. "
+            "Nothing was run; the sandbox was removed and the next turn recreates it to plan"
         )
 
 
