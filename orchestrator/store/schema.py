@@ -153,5 +153,21 @@ _V1 = (
     "CREATE INDEX refusals_by_conversation ON refusals (conversation_id, id)",
 )
 
-MIGRATIONS: tuple[tuple[str, ...], ...] = (_V1,)
+# K4, P6: an API chat, and so every session in it (its media `api-<session>`,
+# its shares), is bound to the API key that started it. `key_ref` is a store
+# key's id or `config:<name>` for a key of the config file. No foreign key:
+# the binding is made when the first message is sent, before the gateway has
+# accepted it (and so before the conversation row may exist). An API chat
+# started before this table has no row: only an admin key reaches it.
+_V2 = (
+    """
+    CREATE TABLE api_chat_keys (
+        conversation_id TEXT PRIMARY KEY,
+        key_ref         TEXT NOT NULL,
+        bound_at        REAL NOT NULL
+    ) STRICT
+    """,
+)
+
+MIGRATIONS: tuple[tuple[str, ...], ...] = (_V1, _V2)
 SCHEMA_VERSION = len(MIGRATIONS)
