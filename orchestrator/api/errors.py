@@ -90,7 +90,7 @@ def new_ref() -> str:
 
 
 _SANDBOX_OR_API = ("/workspace", "/v1/", "/home/agent")
-_ABS_PATH = re.compile(r"(?<![\w.~-])/[\w.@+~-]+(?:/[\w.@+~-]*)+")
+_ABS_PATH = re.compile(r"(?<![\w.~>-])/[\w.@+~-]+(?:/[\w.@+~-]*)+")
 
 
 def scrub(message: str, roots: Iterable[str] = ()) -> str:
