@@ -12,10 +12,13 @@ from __future__ import annotations
 import sqlite3
 from pathlib import Path
 
+import pytest
+
 from cellgate.models import ConversationKey
 from orchestrator.store import Store, conversation_id
 from orchestrator.store.db import DB_FILE
 from orchestrator.store.schema import MIGRATIONS, SCHEMA_VERSION
+from policies.api_access import ApiChatFacts, Endpoint, KeyFacts, RequestFacts, decide
 from tests.api.conftest import Live
 
 
@@ -71,3 +74,33 @@ def test_K4_a_database_from_before_the_binding_opens_with_its_api_chats_unbound(
         new = conversation_id(ConversationKey("a", "api", "new"))
         assert store.bind_api_chat(new, "key_0123456789abcdef") == "key_0123456789abcdef"
         assert store.bind_api_chat(new, "config:other") == "key_0123456789abcdef"
+
+
+OWNER = "key_00000000000000aa"
+PEER = "key_00000000000000bb"
+
+
+@pytest.mark.parametrize(
+    ("key", "owner", "revoking", "allowed", "rule"),
+    [
+        (KeyFacts(True, agents=frozenset({"a"}), ref=OWNER), OWNER, False, True, "K4"),
+        (KeyFacts(True, agents=frozenset({"a"}), ref=PEER), OWNER, False, False, "K4"),
+        (KeyFacts(True, write=True, agents=frozenset({"a"}), ref=PEER), OWNER, True, False, "P6"),
+        (KeyFacts(True, write=True, agents=frozenset({"a"}), ref=OWNER), OWNER, True, True, "K2"),
+        (KeyFacts(True, agents=frozenset({"a"}), ref=OWNER), None, False, False, "K4"),
+        (KeyFacts(True, agents=frozenset({"*"}), ref=PEER), OWNER, False, False, "K4"),
+        (KeyFacts(True, admin=True, ref=PEER), OWNER, True, True, "K2"),
+        (KeyFacts(True, admin=True, ref=PEER), None, False, True, "K2"),
+        (KeyFacts(True, agents=frozenset({"a"}), ref=None), OWNER, False, False, "K4"),
+    ],
+)
+def test_K4_P6_binding_policy_table(
+    key: KeyFacts, owner: str | None, revoking: bool, allowed: bool, rule: str
+) -> None:
+    kind: Endpoint = "shares" if revoking else "media"
+    request = RequestFacts("a", True, kind, media_owner="api_session", is_write=revoking,
+                           api_chat=ApiChatFacts(owner), revoking=revoking)  # fmt: skip
+    decision = decide(key, request)
+    assert decision.allowed is allowed and decision.rule == rule, decision
+    if not allowed:
+        assert decision.status == 403
