@@ -165,7 +165,7 @@ def require(
             "refused %s on agent %s for key %s: %s (%s)",
             kind, agent, who.key_id or who.name or "-", decision.reason, decision.rule,
         )  # fmt: skip
-        raise AccessRefused(decision)
+        raise AccessRefused(decision, who.key_id or who.name or None)
     return decision
 
 

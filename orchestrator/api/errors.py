@@ -8,7 +8,7 @@ stable and machine-readable, `message` says what is wrong and how to fix it,
 R6: a failure that is not the caller's fault (any 5xx) answers a short fixed
 message for its code and the ref; its details (exception text, host paths,
 stack) go to the log under that ref and to the audit table (`refusals`, rule
-R6). A caller's own mistake (4xx) keeps its clear message, with every host
+R6). A known key refused past its scope (K3, K4, P6) gets an audit row too. A caller's own mistake (4xx) keeps its clear message, with every host
 path in it replaced (`<state dir>`, `<host path>`): a message may name the
 sandbox's paths (`/workspace/...`) and the API's (`/v1/...`), never the host's.
 
@@ -78,8 +78,10 @@ _ACCESS_CODES = {401: "unauthorized", 403: "forbidden"}
 class AccessRefused(ApiError):
     """A refusal by `policies.api_access` (or another policy), with the status it names."""
 
-    def __init__(self, decision: AccessDecision) -> None:
+    def __init__(self, decision: AccessDecision, key: str | None = None) -> None:
         self.decision = decision
+        self.key = key
+        """The refused key's id or name, for the audit row; never its secret."""
         code = _ACCESS_CODES.get(decision.status, "refused")
         super().__init__(decision.status, code, decision.reason, decision.rule)
 
@@ -198,6 +200,26 @@ def _audit(request: Request, ref: str, status: int, code: str, exc: BaseExceptio
         logger.error("ref=%s: the audit row could not be written: %s", ref, audit_exc)
 
 
+_AUDITED_RULES = frozenset({"K3", "K4", "P6"})
+"""Refusals of a known key reaching past its scope: each gets an audit row (a key that
+is missing or unknown does not, so a stranger's flood writes nothing)."""
+
+
+def _audit_refusal(request: Request, ref: str, exc: AccessRefused) -> None:
+    ctx = getattr(request.app.state, "cellgate", None)
+    if ctx is None:
+        return
+    try:
+        ctx.store.record_refusal(
+            rule=exc.decision.rule,
+            action=f"api {request.method} {request.url.path}"[:300],
+            reason=exc.decision.reason,
+            detail={"ref": ref, "key": exc.key},
+        )
+    except CellgateError as audit_exc:
+        logger.error("ref=%s: the audit row could not be written: %s", ref, audit_exc)
+
+
 async def answer_failure(
     request: Request, exc: BaseException, status: int, code: str
 ) -> JSONResponse:
@@ -213,9 +235,9 @@ async def answer_failure(
 
 
 def answer_error(request: Request, status: int, code: str, message: str,
-                 rule: str | None = None) -> JSONResponse:  # fmt: skip
+                 rule: str | None = None, ref: str | None = None) -> JSONResponse:  # fmt: skip
     """A caller's mistake (4xx): its clear message, host paths scrubbed, and a ref."""
-    ref = new_ref()
+    ref = ref or new_ref()
     logger.debug("ref=%s %s %s -> %d %s: %s", ref, request.method, request.url.path, status,
                  code, message)  # fmt: skip
     return error_response(status, code, scrub(message, _host_roots(request)), rule, ref=ref)
@@ -232,7 +254,10 @@ def install_error_handlers(app: FastAPI) -> None:
         status, code, message, rule = classify(exc)
         if status >= 500:
             return await answer_failure(request, exc, status, code)
-        return answer_error(request, status, code, message, rule)
+        ref = new_ref()
+        if isinstance(exc, AccessRefused) and exc.key and rule in _AUDITED_RULES:
+            await asyncio.to_thread(_audit_refusal, request, ref, exc)
+        return answer_error(request, status, code, message, rule, ref)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:

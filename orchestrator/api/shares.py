@@ -200,7 +200,8 @@ def delete_share(
         acting = None
     decision = revoke_share(row.session_id, acting, who.admin)
     if not decision.allowed:
-        raise AccessRefused(refused(decision.rule, decision.reason, 403))
+        raise AccessRefused(refused(decision.rule, decision.reason, 403),
+                            who.key_id or who.name or None)  # fmt: skip
     by = f"{who.source}:{who.key_id or who.name}" + (f" session:{acting}" if acting else "")
     return ShareOut.of(ctx.store.revoke_share(row.id, revoked_by=by), conv.agent)
 

@@ -30,6 +30,10 @@ def test_K4_the_first_message_binds_a_new_api_chat_to_its_key(live: Live) -> Non
     assert live.store.api_chat_owner(conv) == live.seed.key_ids["open-peer"]
     r = live.request("POST", path, live.seed.keys["open"], json={"text": "mine now?"})
     assert r.status_code == 403 and r.json()["error"]["rule"] == "K4"
+    ref = r.json()["error"]["ref"]
+    (audit,) = [a for a in live.store.refusals(limit=500) if a.detail.get("ref") == ref]
+    assert audit.rule == "K4" and audit.detail["key"] == live.seed.key_ids["open"]
+    assert audit.action == f"api POST {path}"
     r = live.request("POST", path, live.seed.keys["admin"], json={"text": "op"})
     assert r.status_code == 503
     assert live.store.api_chat_owner(conv) == live.seed.key_ids["open-peer"]
