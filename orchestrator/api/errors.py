@@ -8,8 +8,9 @@ stable and machine-readable, `message` says what is wrong and how to fix it,
 R6: a failure that is not the caller's fault (any 5xx) answers a short fixed
 message for its code and the ref; its details (exception text, host paths,
 stack) go to the log under that ref and to the audit table (`refusals`, rule
-R6). A known key refused past its scope (K3, K4, P6) gets an audit row too. A caller's own mistake (4xx) keeps its clear message, with every host
-path in it replaced (`<state dir>`, `<host path>`): a message may name the
+R6). A known key refused past its scope (K3, K4, P6) gets an audit row too.
+A caller's own mistake (4xx) keeps its clear message, with every host path
+in it replaced (`<state dir>`, `<host path>`): a message may name the
 sandbox's paths (`/workspace/...`) and the API's (`/v1/...`), never the host's.
 
 cellgate's own exceptions (`cellgate.errors`) stay framework-free; this module
