@@ -10,7 +10,13 @@
   messages, search, active days, session inject) and a channel chat's media
   refuse a non-admin key with 403.
 - K4 an API session's own media (`media/api-<session>/…`) stays readable with
-  the agent's key.
+  the agent's key: with the key that started its API chat. An API chat, and
+  every session in it, is bound to that key (`ApiChatFacts`): another
+  non-admin key, even one naming the same agent, may not send in it, list
+  it, read it or its media, or share from it (K4), nor revoke its shares
+  (P6: a share is revoked only by the session that made it, which over the
+  API is the key that owns that session). An admin key may. A chat started
+  before chats were bound to keys is bound to none: only an admin key.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from policies.status import AccessDecision, granted, refused
 
 __all__ = [
     "WILDCARD",
+    "ApiChatFacts",
     "Endpoint",
     "KeyFacts",
     "KeySpec",
@@ -56,6 +63,16 @@ class KeyFacts:
     admin: bool = False
     write: bool = False
     agents: frozenset[str] = frozenset()
+    ref: str | None = None
+    """Who the key is, as API chats are bound to it: a store key id or `config:<name>`."""
+
+
+@dataclass(frozen=True, slots=True)
+class ApiChatFacts:
+    """The API chat a request touches (its sessions, media, shares), and its key."""
+
+    owner: str | None
+    """The `KeyFacts.ref` it is bound to; None: started before chats were bound to keys."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,6 +84,10 @@ class RequestFacts:
     kind: Endpoint
     media_owner: MediaOwner | None = None
     is_write: bool = False
+    api_chat: ApiChatFacts | None = None
+    """Set when the request touches an API chat (or one of its sessions)."""
+    revoking: bool = False
+    """Revoking a share: a refusal on the API chat's key is then P6."""
 
 
 def decide(key: KeyFacts, request: RequestFacts) -> AccessDecision:
@@ -84,6 +105,10 @@ def decide(key: KeyFacts, request: RequestFacts) -> AccessDecision:
         )
     if request.is_write and not key.write:
         return refused("K2", "this endpoint writes; it needs a key with write: true", 403)
+    if request.api_chat is not None:
+        bound = _api_chat_binding(key, request.api_chat, "P6" if request.revoking else "K4")
+        if bound is not None:
+            return bound
     if request.agent_isolated and request.kind == "chats":
         return refused(
             "K3",
@@ -102,6 +127,26 @@ def decide(key: KeyFacts, request: RequestFacts) -> AccessDecision:
                 403,
             )
     return granted("K2")
+
+
+def _api_chat_binding(key: KeyFacts, chat: ApiChatFacts, rule: str) -> AccessDecision | None:
+    """K4, P6: a non-admin key reaches only the API chats it started."""
+    if chat.owner is None:
+        return refused(
+            rule,
+            "this API chat was started before API chats were bound to the key that started "
+            "them, so it is bound to none: only an admin key may reach it; start a new chat id",
+            403,
+        )
+    if key.ref is None or key.ref != chat.owner:
+        return refused(
+            rule,
+            "this API chat and its sessions belong to the API key that started them; another "
+            "key may not send in them, list, read, share or revoke anything of them (an admin "
+            "key may)",
+            403,
+        )
+    return None
 
 
 @dataclass(frozen=True, slots=True)

@@ -8,8 +8,10 @@ chats, sessions, messages, search, active days, inject), `media`, `shares`,
 Who may call what is decided in
 `policies.api_access` (K2-K4), `policies.paths` (P5) and `policies.shares`
 (P6); `auth` gathers a key's facts, `ids` checks every id in a path (400), and
-`pathguard` refuses traversal in any path before routing, and
-`errors` maps every exception to `{"error": {code, message, rule}}` in one place.
+`pathguard` refuses traversal in any path before routing, `bodyguard` checks
+the key before a body is read and bounds the body (413, 408), and `errors`
+maps every exception to `{"error": {code, message, ref, rule}}` in one place
+(R6: a failure's details go to the log under its ref, never to the caller).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from orchestrator.api import (
     shares,
     telegram,
 )
+from orchestrator.api.bodyguard import BodyGuard
 from orchestrator.api.context import ApiContext
 from orchestrator.api.errors import install_error_handlers
 from orchestrator.api.pathguard import PathGuard
@@ -41,9 +44,11 @@ def create_app(gateway: Gateway) -> FastAPI:
         version="0.1.0",
         description="One sandbox per conversation. Admin API: see README, section Operating.",
     )
-    app.state.cellgate = ApiContext(gateway)
+    ctx = ApiContext(gateway)
+    app.state.cellgate = ctx
     install_error_handlers(app)
-    app.add_middleware(PathGuard)
+    app.add_middleware(BodyGuard, ctx=ctx)
+    app.add_middleware(PathGuard)  # outermost: a traversal is refused before anything
 
     @app.get("/healthz", tags=["health"])
     async def healthz() -> dict[str, str]:

@@ -12,23 +12,36 @@ from __future__ import annotations
 import hmac
 import logging
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Annotated, Literal
 
-from fastapi import Depends, Security
+from fastapi import Depends, Request, Security
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from orchestrator.api.context import ApiContext, context
 from orchestrator.api.errors import AccessRefused, ApiError
-from orchestrator.store import ApiKey, KeyId
+from orchestrator.store import ApiKey, Conversation, ConversationId, KeyId
 from orchestrator.store.queries import key_by_secret
-from policies.api_access import Endpoint, KeyFacts, MediaOwner, RequestFacts, decide
+from policies.api_access import ApiChatFacts, Endpoint, KeyFacts, MediaOwner, RequestFacts, decide
 from policies.status import AccessDecision
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["CallerKey", "Principal", "authenticate", "require"]
+__all__ = [
+    "PRINCIPAL_STATE",
+    "CallerKey",
+    "Principal",
+    "api_chat_facts",
+    "authenticate",
+    "bearer_secret",
+    "require",
+    "require_key",
+    "sees_conversation",
+]
 
+PRINCIPAL_STATE = "cellgate_principal"
+"""Where `bodyguard` leaves the principal it found, in the request's state."""
 TOUCH_EVERY_SECONDS = 60.0
 MAX_SECRET = 512
 
@@ -62,6 +75,7 @@ def _store_key(key: ApiKey) -> Principal:
         admin=key.admin,
         write=key.write,
         agents=frozenset(key.agents),
+        ref=key.id,
     )
     return Principal(facts, key.name, key.id, "store")
 
@@ -83,7 +97,11 @@ def authenticate(ctx: ApiContext, secret: str | None) -> Principal:
     for conf in ctx.gateway.config.api_keys:
         if hmac.compare_digest(conf.key.get_secret_value().encode(), given):
             facts = KeyFacts(
-                present=True, admin=conf.admin, write=conf.write, agents=frozenset(conf.agents)
+                present=True,
+                admin=conf.admin,
+                write=conf.write,
+                agents=frozenset(conf.agents),
+                ref=f"config:{conf.name}",
             )
             return Principal(facts, conf.name, None, "config")
     raise ApiError(
@@ -94,10 +112,25 @@ def authenticate(ctx: ApiContext, secret: str | None) -> Principal:
     )
 
 
+def bearer_secret(authorization: str | None) -> str | None:
+    """The secret of an `Authorization: Bearer <secret>` header, as `HTTPBearer` reads it."""
+    if not authorization:
+        return None
+    scheme, _, secret = authorization.partition(" ")
+    secret = secret.strip()
+    if scheme.lower() != "bearer" or not secret:
+        return None
+    return secret
+
+
 def _principal(
+    request: Request,
     ctx: Annotated[ApiContext, Depends(context)],
     creds: Annotated[HTTPAuthorizationCredentials | None, Security(bearer)],
 ) -> Principal:
+    found = request.scope.get("state", {}).get(PRINCIPAL_STATE)
+    if isinstance(found, Principal):  # `bodyguard` already looked it up, before the body
+        return found
     return authenticate(ctx, creds.credentials if creds is not None else None)
 
 
@@ -113,6 +146,8 @@ def require(
     *,
     media_owner: MediaOwner | None = None,
     is_write: bool = False,
+    api_chat: ApiChatFacts | None = None,
+    revoking: bool = False,
 ) -> AccessDecision:
     """Gather the request's facts, ask the policy, and raise its refusal (401/403)."""
     facts = RequestFacts(
@@ -121,6 +156,8 @@ def require(
         kind=kind,
         media_owner=media_owner,
         is_write=is_write,
+        api_chat=api_chat,
+        revoking=revoking,
     )
     decision = decide(who.facts, facts)
     if not decision.allowed:
@@ -128,7 +165,7 @@ def require(
             "refused %s on agent %s for key %s: %s (%s)",
             kind, agent, who.key_id or who.name or "-", decision.reason, decision.rule,
         )  # fmt: skip
-        raise AccessRefused(decision)
+        raise AccessRefused(decision, who.key_id or who.name or None)
     return decision
 
 
@@ -136,3 +173,23 @@ def require_key(who: Principal) -> None:
     """401 before any lookup, for endpoints whose agent is known only after one."""
     if not who.facts.present or who.facts.revoked:
         raise AccessRefused(decide(who.facts, RequestFacts("", False, "admin")))
+
+
+def api_chat_facts(ctx: ApiContext, conv: Conversation) -> ApiChatFacts | None:
+    """For an API chat, the key it is bound to (K4, P6); None for a channel chat."""
+    if conv.channel != "api":
+        return None
+    return ApiChatFacts(ctx.store.api_chat_owner(conv.id))
+
+
+def sees_conversation(
+    who: Principal, conv: Conversation, owners: Mapping[ConversationId, str]
+) -> bool:
+    """In a listing: may this key see `conv`? Every channel chat here; of API chats, its own.
+
+    `owners` is `store.api_chat_owners(...)`, read once for the whole listing.
+    """
+    if who.admin or conv.channel != "api":
+        return True
+    owner = owners.get(conv.id)
+    return owner is not None and owner == who.facts.ref

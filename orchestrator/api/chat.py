@@ -13,8 +13,11 @@ answered once (D1). Without one the gateway makes one up.
 
 Here `{chat_id}` is the API client's own chat id (any string up to 512
 characters), not a conversation id: an API chat is one conversation across
-all of its sessions and keys. Sending needs a key naming the agent (K2);
-it is the agent's ordinary use, so K3 does not apply and `write` is not needed.
+all of its sessions. Sending needs a key naming the agent (K2); it is the
+agent's ordinary use, so K3 does not apply and `write` is not needed. The
+first message binds the chat, and every session in it, to the key that sent
+it: another non-admin key is refused there (403, K4), as it is from the
+chat's media and shares.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from orchestrator.api.errors import ApiError
 from orchestrator.api.ids import agent_id
 from orchestrator.gateway import TurnOutcome
 from orchestrator.store import conversation_id
+from policies.api_access import ApiChatFacts
 
 __all__ = ["MessageIn", "MessageOut", "router"]
 
@@ -103,6 +107,9 @@ async def post_message(
     agent_id(agent)
     _chat(chat_id)
     require(ctx, who, agent, "message")
+    conv = conversation_id(ConversationKey(agent, "api", chat_id))
+    owner = await asyncio.to_thread(ctx.store.bind_api_chat, conv, who.facts.ref or "")
+    require(ctx, who, agent, "message", api_chat=ApiChatFacts(owner))  # K4: its own chat
     mid = body.message_id or uuid.uuid4().hex
     if wait:
         outcome = await ctx.gateway.turn(
@@ -131,6 +138,10 @@ async def get_message(
     require(ctx, who, agent, "message")
     key = ConversationKey(agent, "api", chat_id)
     store = ctx.store
+    owner = await asyncio.to_thread(store.api_chat_owner, conversation_id(key))
+    exists = await asyncio.to_thread(store.get_conversation, conversation_id(key))
+    if owner is not None or exists is not None:
+        require(ctx, who, agent, "message", api_chat=ApiChatFacts(owner))  # K4: its own chat
     msg = await asyncio.to_thread(store.find_message, conversation_id(key), message_id)
     if msg is None:
         raise ApiError(404, "unknown_message", f"no message {message_id!r} in this chat")

@@ -5,7 +5,9 @@ and session inject (K3).
 (`<channel>-<chatId>-<hash>`), both as the chat list shows them, and is
 resolved only through the store. For an isolated agent every endpoint here
 needs an admin key (K3); for any other agent, a key naming it (K2), and
-inject, which writes, a key with `write: true`.
+inject, which writes, a key with `write: true`. An API chat belongs to the
+key that started it (K4): another non-admin key does not see it in the list
+or in search, and is refused (403) on it and its sessions.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from typing import Annotated
 from fastapi import APIRouter, Depends, Path, Query
 from pydantic import BaseModel, ConfigDict, Field
 
-from orchestrator.api.auth import CallerKey, require
+from orchestrator.api.auth import CallerKey, api_chat_facts, require, sees_conversation
 from orchestrator.api.chat import MessageOut
 from orchestrator.api.context import ApiContext, context
 from orchestrator.api.errors import ApiError
@@ -115,7 +117,9 @@ def _agent(ctx: ApiContext, agent: str) -> None:
         raise ApiError(404, "unknown_agent", f"no agent {agent!r} is configured")
 
 
-def _chat(ctx: ApiContext, agent: str, chat: str) -> Conversation:
+def _chat(
+    ctx: ApiContext, who: CallerKey, agent: str, chat: str, *, write: bool = False
+) -> Conversation:
     conv = (
         ctx.store.get_conversation(ConversationId(chat))
         if len(chat) == 32 and "-" not in chat
@@ -123,6 +127,9 @@ def _chat(ctx: ApiContext, agent: str, chat: str) -> Conversation:
     )
     if conv is None or conv.agent != agent:
         raise ApiError(404, "not_found", f"agent {agent!r} has no chat {chat!r}")
+    api_chat = api_chat_facts(ctx, conv)
+    if api_chat is not None:  # K4: an API chat only for the key it is bound to
+        require(ctx, who, agent, "chats", is_write=write, api_chat=api_chat)
     return conv
 
 
@@ -141,7 +148,9 @@ def _open(
 def list_chats(agent: AgentPath, who: CallerKey, ctx: Ctx) -> list[ChatOut]:
     """Every chat of the agent, oldest first."""
     _open(ctx, who, agent)
-    return [ChatOut.of(c) for c in ctx.store.conversations(agent)]
+    owners = ctx.store.api_chat_owners(agent)
+    return [ChatOut.of(c) for c in ctx.store.conversations(agent)
+            if sees_conversation(who, c, owners)]  # fmt: skip
 
 
 @router.get("/v1/agents/{agent}/chats/search", response_model=list[MessageEntryOut])
@@ -156,20 +165,26 @@ def search_chats(
     """Messages (and replies) of any chat of the agent that contain `q`, newest first."""
     _open(ctx, who, agent)
     found = search_messages(ctx.store, agent, q, channel=channel, limit=limit)
+    if not who.admin:  # K4: not another key's API chats
+        owners = ctx.store.api_chat_owners(agent)
+        convs = {c.id: c for c in ctx.store.conversations(agent)}
+        found = [e for e in found
+                 if e.conversation_id in convs
+                 and sees_conversation(who, convs[e.conversation_id], owners)]  # fmt: skip
     return [MessageEntryOut.of(e) for e in found]
 
 
 @router.get("/v1/agents/{agent}/chats/{chat}", response_model=ChatOut)
 def get_chat(agent: AgentPath, chat: ChatPath, who: CallerKey, ctx: Ctx) -> ChatOut:
     _open(ctx, who, agent, chat)
-    return ChatOut.of(_chat(ctx, agent, chat))
+    return ChatOut.of(_chat(ctx, who, agent, chat))
 
 
 @router.get("/v1/agents/{agent}/chats/{chat}/sessions", response_model=list[SessionOut])
 def chat_sessions(agent: AgentPath, chat: ChatPath, who: CallerKey, ctx: Ctx) -> list[SessionOut]:
     """Every session of the chat, live or ended, oldest first."""
     _open(ctx, who, agent, chat)
-    conv = _chat(ctx, agent, chat)
+    conv = _chat(ctx, who, agent, chat)
     return [SessionOut.of(s) for s in sessions_of(ctx.store, conv.id)]
 
 
@@ -189,7 +204,7 @@ def chat_messages(
 ) -> list[MessageEntryOut]:
     """The chat's messages with their replies, newest first."""
     _open(ctx, who, agent, chat)
-    conv = _chat(ctx, agent, chat)
+    conv = _chat(ctx, who, agent, chat)
     entries = transcript(ctx.store, conv.id, q=q or None, before=before, limit=limit)
     return [MessageEntryOut.of(e) for e in entries]
 
@@ -200,7 +215,7 @@ def chat_active_days(
 ) -> list[ActiveDayOut]:
     """The UTC days with messages in this chat, and how many."""
     _open(ctx, who, agent, chat)
-    conv = _chat(ctx, agent, chat)
+    conv = _chat(ctx, who, agent, chat)
     return [ActiveDayOut.of(d) for d in active_days(ctx.store, conv.id)]
 
 
@@ -210,6 +225,6 @@ async def inject(
 ) -> MessageOut:
     """Run a turn in this chat as the operator; a channel chat gets the reply on its channel."""
     _open(ctx, who, agent, chat, write=True)
-    conv = await asyncio.to_thread(_chat, ctx, agent, chat)
+    conv = await asyncio.to_thread(_chat, ctx, who, agent, chat, write=True)
     outcome = await ctx.gateway.turn(agent, conv.channel, conv.chat_id, body.text)
     return MessageOut.of(outcome)

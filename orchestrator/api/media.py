@@ -2,7 +2,8 @@
 
 For an isolated agent a channel chat's media needs an admin key (K3), while an
 API session's own media (`api-<session>/...`, where reply attachment URLs
-point) stays readable with the agent's key (K4). The path is checked
+point) stays readable with the agent's key that started that API chat, and
+only with it or an admin key (K4). The path is checked
 lexically (400), the decision is taken on its shape before any lookup (so a
 refused key learns nothing about what exists), the directory is resolved
 through the store (404), and the file is opened safely (P5).
@@ -15,7 +16,7 @@ from typing import Annotated
 from fastapi import APIRouter, Depends, Path
 from fastapi.responses import StreamingResponse
 
-from orchestrator.api.auth import CallerKey, require
+from orchestrator.api.auth import CallerKey, api_chat_facts, require
 from orchestrator.api.context import ApiContext, context
 from orchestrator.api.errors import ApiError
 from orchestrator.api.ids import agent_id, media_path
@@ -43,4 +44,7 @@ def get_media(
     if not ctx.agent_known(agent):
         raise ApiError(404, "unknown_agent", f"no agent {agent!r} is configured")
     media = media_dir_of_path(ctx, agent, mp)
+    if media.session is not None:  # an API session's: only the key its chat is bound to (K4)
+        require(ctx, who, agent, "media", media_owner=media.owner,
+                api_chat=api_chat_facts(ctx, media.conversation))  # fmt: skip
     return file_response(open_in(media, mp.file))

@@ -6,8 +6,16 @@
   channel chat an admin key (K3: a share would publish that chat's media).
   The answer holds the token once; only its hash is stored.
 - `GET /v1/shares?agent=`: the shares a key may see, without tokens.
-- `DELETE /v1/shares/{share}?session=`: revoke by share id or token, only as
-  the session that made it (P6) or with an admin key.
+- `DELETE /v1/shares/{share}`: revoke by share id or token, only as the
+  session that made it (P6) or with an admin key. The session is the share's
+  own, never one the caller names: over the API a session acts through the
+  key its API chat is bound to, so that key may revoke the shares of its
+  sessions; a channel chat's share only an admin key (or its session, through
+  the bridge). A `?session=` claim is ignored.
+
+An API chat and its sessions belong to the key that started it (K4): another
+non-admin key, even one naming the same agent, neither lists, shares from
+nor revokes them.
 - `GET /v1/shares/{token}`: the file, with no key (the token is the
   capability); an unknown token is 404, a revoked one 410.
 """
@@ -21,7 +29,14 @@ from fastapi import APIRouter, Depends, Path, Query
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from orchestrator.api.auth import CallerKey, Principal, require, require_key
+from orchestrator.api.auth import (
+    CallerKey,
+    Principal,
+    api_chat_facts,
+    require,
+    require_key,
+    sees_conversation,
+)
 from orchestrator.api.context import ApiContext, context
 from orchestrator.api.errors import AccessRefused, ApiError
 from orchestrator.api.ids import agent_id, relative_file, session_id, share_ref, share_token
@@ -101,7 +116,8 @@ def create_share_checked(
         raise ApiError(404, "unknown_agent", f"no agent {body.agent!r} is configured")
     session = _session_of(ctx, body.agent, body.session)
     media = media_dir_of_session(ctx, session)
-    require(ctx, who, body.agent, "media", media_owner=media.owner)
+    require(ctx, who, body.agent, "media", media_owner=media.owner,
+            api_chat=api_chat_facts(ctx, media.conversation))  # fmt: skip
     f = open_in(media, body.path)
     try:
         if check is not None:
@@ -136,9 +152,10 @@ def visible_shares(
     rows = shares_of_agent(ctx.store, agent, include_revoked=include_revoked)
     if who.admin:
         return rows
+    owners = ctx.store.api_chat_owners(agent)
     return [
         (s, c) for s, c in rows
-        if decide(who.facts, RequestFacts(
+        if sees_conversation(who, c, owners) and decide(who.facts, RequestFacts(
             agent=c.agent, agent_isolated=ctx.isolated(c.agent), kind="media",
             media_owner="api_session" if c.channel == "api" else "channel_chat")).allowed
     ]  # fmt: skip
@@ -160,14 +177,9 @@ def delete_share(
     share: Annotated[str, Path(description="The share id (`sh_...`) or its token.")],
     who: CallerKey,
     ctx: Ctx,
-    session: Annotated[
-        str | None, Query(max_length=64, description="The session revoking it (P6).")
-    ] = None,
 ) -> ShareOut:
     """Revoke a share: only the session that made it may (P6), or an admin key."""
     share_ref(share)
-    if session is not None:
-        session_id(session)
     require_key(who)
     row = (
         ctx.store.get_share(ShareId(share))
@@ -180,10 +192,17 @@ def delete_share(
     require(ctx, who, conv.agent, "shares", is_write=True)
     require(ctx, who, conv.agent, "media",
             media_owner="api_session" if conv.channel == "api" else "channel_chat")  # fmt: skip
-    decision = revoke_share(row.session_id, session, who.admin)
+    chat = api_chat_facts(ctx, conv)
+    if chat is not None:  # P6: the key its API chat is bound to acts as its session
+        require(ctx, who, conv.agent, "shares", is_write=True, api_chat=chat, revoking=True)
+        acting = row.session_id if who.facts.ref == chat.owner else None
+    else:  # a channel chat's session acts only through the bridge
+        acting = None
+    decision = revoke_share(row.session_id, acting, who.admin)
     if not decision.allowed:
-        raise AccessRefused(refused(decision.rule, decision.reason, 403))
-    by = f"{who.source}:{who.key_id or who.name}" + (f" session:{session}" if session else "")
+        raise AccessRefused(refused(decision.rule, decision.reason, 403),
+                            who.key_id or who.name or None)  # fmt: skip
+    by = f"{who.source}:{who.key_id or who.name}" + (f" session:{acting}" if acting else "")
     return ShareOut.of(ctx.store.revoke_share(row.id, revoked_by=by), conv.agent)
 
 

@@ -191,5 +191,21 @@ _V_CHANNELS = (
     """,
 )
 
-MIGRATIONS: tuple[tuple[str, ...], ...] = (_V1, _V_CHANNELS)
+# K4, P6: an API chat, and so every session in it (its media `api-<session>`,
+# its shares), is bound to the API key that started it. `key_ref` is a store
+# key's id or `config:<name>` for a key of the config file. No foreign key:
+# the binding is made when the first message is sent, before the gateway has
+# accepted it (and so before the conversation row may exist). An API chat
+# started before this table has no row: only an admin key reaches it.
+_V_API_KEYS = (
+    """
+    CREATE TABLE api_chat_keys (
+        conversation_id TEXT PRIMARY KEY,
+        key_ref         TEXT NOT NULL,
+        bound_at        REAL NOT NULL
+    ) STRICT
+    """,
+)
+
+MIGRATIONS: tuple[tuple[str, ...], ...] = (_V1, _V_CHANNELS, _V_API_KEYS)
 SCHEMA_VERSION = len(MIGRATIONS)

@@ -150,6 +150,47 @@ class SessionsMixin(MessagesMixin):
         value: float | None = row[0]
         return value
 
+    # -- API chats and the key they are bound to (K4, P6) --------------------
+
+    def bind_api_chat(self, conversation: ConversationId, key_ref: str) -> str | None:
+        """Bind a new API chat to `key_ref`; the key it is bound to (maybe another).
+
+        A chat already bound keeps its key. A chat that exists but is bound to
+        none (started before chats were bound) stays unbound: None.
+        """
+        if not key_ref:
+            raise StoreError("an API chat is bound to a key; the key reference is empty")
+        with self._db.write() as c:
+            c.execute(
+                "INSERT INTO api_chat_keys (conversation_id, key_ref, bound_at)"
+                " SELECT ?1, ?2, ?3 WHERE NOT EXISTS"
+                " (SELECT 1 FROM conversations WHERE id = ?1) ON CONFLICT DO NOTHING",
+                (conversation, key_ref, self._now()),
+            )
+            row = c.execute(
+                "SELECT key_ref FROM api_chat_keys WHERE conversation_id = ?", (conversation,)
+            ).fetchone()
+        return None if row is None else str(row[0])
+
+    def api_chat_owner(self, conversation: ConversationId) -> str | None:
+        """The key an API chat is bound to; None if it is bound to none."""
+        with self._db.read() as c:
+            row = c.execute(
+                "SELECT key_ref FROM api_chat_keys WHERE conversation_id = ?", (conversation,)
+            ).fetchone()
+        return None if row is None else str(row[0])
+
+    def api_chat_owners(self, agent: str | None = None) -> dict[ConversationId, str]:
+        """Every bound API chat (of `agent`, or of all agents) and its key."""
+        with self._db.read() as c:
+            rows = c.execute(
+                "SELECT k.conversation_id, k.key_ref FROM api_chat_keys k"
+                " JOIN conversations c ON c.id = k.conversation_id"
+                " WHERE ?1 IS NULL OR c.agent = ?1",
+                (agent,),
+            ).fetchall()
+        return {ConversationId(r[0]): str(r[1]) for r in rows}
+
     # -- turns ---------------------------------------------------------------
 
     def start_turn(self, session_id: SessionId, message_id: MessageId | None = None) -> Turn:

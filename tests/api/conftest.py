@@ -4,7 +4,10 @@ Two agents: `iso` (isolateMemory: true; its app is not installed, so no turn
 runs) and `open` (not isolated; a host agent, so no turn runs either). Each
 has a Telegram chat and an API chat with a session, messages with replies,
 media files and a share. Keys of every kind are minted into the store, plus
-one key in the config file.
+one key in the config file. Each agent's API chat `client-1` is bound to the
+agent's own key (`iso`, `open`), as its first message would have bound it
+(K4); `<agent>-peer` is a second key naming the same agent; `client-legacy`
+is an API chat bound to no key (started before chats were bound).
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import pytest
 from cellgate.models import ConversationKey
 from orchestrator.config import write_config_document
 from orchestrator.gateway import Gateway
-from orchestrator.store import Conversation, Session, Store
+from orchestrator.store import Conversation, Session, Store, conversation_id
 from tests.fakes.no_engine import NoEngineBackend
 from tests.support.served import served_gateway
 
@@ -48,6 +51,7 @@ class Seed:
 
     tg: dict[str, Chat] = field(default_factory=dict)
     api: dict[str, Chat] = field(default_factory=dict)
+    legacy: dict[str, Chat] = field(default_factory=dict)
     keys: dict[str, str] = field(default_factory=dict)
     key_ids: dict[str, str] = field(default_factory=dict)
     share_tokens: dict[str, str] = field(default_factory=dict)
@@ -105,16 +109,12 @@ def _chat(store: Store, workspace: Path, agent: str, channel: str, chat_id: str)
 
 def seed_store(store: Store, state: Path) -> Seed:
     seed = Seed()
-    for agent in AGENTS:
-        ws = state / "agents" / agent / "workspace"
-        seed.tg[agent] = _chat(store, ws, agent, "telegram", "42")
-        seed.api[agent] = _chat(store, ws, agent, "api", "client-1")
-        _, token = store.create_share(seed.api[agent].session.id, "photo.png")
-        seed.share_tokens[agent] = token
     minted = {
         "admin": (["*"], True, True),
         "iso": (["iso"], False, True),
         "open": (["open"], False, True),
+        "iso-peer": (["iso"], False, True),
+        "open-peer": (["open"], False, True),
         "iso-readonly": (["iso"], False, False),
         "open-readonly": (["open"], False, False),
         "revoked": (["*"], False, True),
@@ -127,6 +127,15 @@ def seed_store(store: Store, state: Path) -> Seed:
     store.revoke_key(seed.key_ids["revoked"])  # type: ignore[arg-type]
     store.revoke_key(seed.key_ids["revoked-admin"])  # type: ignore[arg-type]
     seed.keys["config"] = CONFIG_KEY
+    for agent in AGENTS:
+        ws = state / "agents" / agent / "workspace"
+        seed.tg[agent] = _chat(store, ws, agent, "telegram", "42")
+        conv = conversation_id(ConversationKey(agent, "api", "client-1"))
+        assert store.bind_api_chat(conv, seed.key_ids[agent]) == seed.key_ids[agent]
+        seed.api[agent] = _chat(store, ws, agent, "api", "client-1")
+        seed.legacy[agent] = _chat(store, ws, agent, "api", "client-legacy")
+        _, token = store.create_share(seed.api[agent].session.id, "photo.png")
+        seed.share_tokens[agent] = token
     return seed
 
 

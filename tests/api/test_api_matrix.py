@@ -8,6 +8,13 @@ while an API session's own media stays readable (covers: K4). Turns never
 run here: the chat endpoint and inject answer 503 agent_unavailable once
 access was granted (neither agent can take turns in this gateway), which
 shows the access decision came first.
+
+Key binding (K4, P6): each agent's API chat `client-1` is bound to the agent's
+own key. `peer` is a second non-admin key naming the same agent: it is
+refused (403) on that chat, its session's media, shares from it and the
+revocation of its shares, even when it claims the share's session in the
+query (P6); an admin key may. An API chat bound to no key (`client-legacy`)
+is refused to every non-admin key.
 """
 
 from __future__ import annotations
@@ -20,7 +27,7 @@ import pytest
 
 from tests.api.conftest import PNG, Live, other
 
-KEYS = ("none", "revoked", "other", "agent", "admin")
+KEYS = ("none", "revoked", "other", "peer", "agent", "admin")
 
 
 @dataclass(frozen=True)
@@ -34,14 +41,19 @@ class Case:
     """No key needed (a share token is the capability): every key gets `admin`."""
     k3: bool = False
     """The isolated agent's own key is refused by K3 (not K2)."""
+    bound: str | None = None
+    """The case touches the agent key's own API chat: the peer key is refused by this rule."""
+    agent_rule: str | None = None
+    """The rule that refuses the agent's own key (and the peer's) when not K2 or K3."""
 
 
 def _get(path: str) -> tuple[str, str, dict[str, Any]]:
     return "GET", path, {}
 
 
-def _fresh_share(live: Live, agent: str) -> str:
-    share, _ = live.store.create_share(live.seed.api[agent].session.id, "photo.png")
+def _fresh_share(live: Live, agent: str, chat: str = "api") -> str:
+    src = {"api": live.seed.api, "tg": live.seed.tg, "legacy": live.seed.legacy}[chat][agent]
+    share, _ = live.store.create_share(src.session.id, "photo.png")
     return share.id
 
 
@@ -71,7 +83,10 @@ CASES = [
          (403, 200), 200, k3=True),
     Case("API chat messages (still a chats endpoint)",
          lambda lv, a: _get(f"/v1/agents/{a}/chats/{lv.seed.api[a].conv.id}/messages?q=hello"),
-         (403, 200), 200, k3=True),
+         (403, 200), 200, k3=True, bound="K4"),
+    Case("API chat sessions",
+         lambda lv, a: _get(f"/v1/agents/{a}/chats/{lv.seed.api[a].conv.id}/sessions"),
+         (403, 200), 200, k3=True, bound="K4"),
     Case("search", lambda lv, a: _get(f"/v1/agents/{a}/chats/search?q=secret"),
          (403, 200), 200, k3=True),
     Case("active days",
@@ -86,28 +101,48 @@ CASES = [
          (403, 200), 200, k3=True),
     Case("API session media",
          lambda lv, a: _get(f"/v1/agents/{a}/media/{lv.seed.api[a].media_name}/photo.png"),
-         (200, 200), 200),
+         (200, 200), 200, bound="K4"),
+    Case("API session media of a chat bound to no key",
+         lambda lv, a: _get(f"/v1/agents/{a}/media/{lv.seed.legacy[a].media_name}/photo.png"),
+         (403, 403), 200, agent_rule="K4"),
     Case("send a message (api channel)",
          lambda lv, a: ("POST", f"/v1/agents/{a}/chats/client-1/messages",
                         {"json": {"text": "hi"}}),
-         (503, 503), 503),
+         (503, 503), 503, bound="K4"),
+    Case("send a message in an API chat bound to no key",
+         lambda lv, a: ("POST", f"/v1/agents/{a}/chats/client-legacy/messages",
+                        {"json": {"text": "hi"}}),
+         (403, 403), 503, agent_rule="K4"),
+    Case("read a message's state in another key's API chat",
+         lambda lv, a: _get(f"/v1/agents/{a}/chats/client-1/messages/client-1-0"),
+         (200, 200), 200, bound="K4"),
     Case("share from an API session",
-         lambda lv, a: ("POST", "/v1/shares", _share_body(lv, a, "api")), (201, 201), 201),
+         lambda lv, a: ("POST", "/v1/shares", _share_body(lv, a, "api")), (201, 201), 201,
+         bound="K4"),
     Case("share from a channel chat",
          lambda lv, a: ("POST", "/v1/shares", _share_body(lv, a, "tg")), (403, 201), 201,
          k3=True),
     Case("list shares", lambda lv, a: _get(f"/v1/shares?agent={a}"), (200, 200), 200),
-    Case("revoke a share as its session",
+    Case("revoke a share of its own API session",
+         lambda lv, a: ("DELETE", f"/v1/shares/{_fresh_share(lv, a)}", {}),
+         (200, 200), 200, bound="P6"),
+    Case("revoke a share claiming its session in the query",
          lambda lv, a: ("DELETE",
                         f"/v1/shares/{_fresh_share(lv, a)}?session={lv.seed.api[a].session.id}",
                         {}),
-         (200, 200), 200),
+         (200, 200), 200, bound="P6"),
+    Case("revoke a channel chat's share",
+         lambda lv, a: ("DELETE", f"/v1/shares/{_fresh_share(lv, a, 'tg')}", {}),
+         (403, 403), 200, k3=True, agent_rule="P6"),
+    Case("revoke a share of an API chat bound to no key",
+         lambda lv, a: ("DELETE", f"/v1/shares/{_fresh_share(lv, a, 'legacy')}", {}),
+         (403, 403), 200, agent_rule="P6"),
     Case("fetch a share by token",
          lambda lv, a: _get(f"/v1/shares/{lv.seed.share_tokens[a]}"), (200, 200), 200,
          public=True),
     Case("image artifact from an API session",
          lambda lv, a: ("POST", "/v1/image-artifacts", _share_body(lv, a, "api")),
-         (201, 201), 201),
+         (201, 201), 201, bound="K4"),
     Case("image artifact from a channel chat",
          lambda lv, a: ("POST", "/v1/image-artifacts", _share_body(lv, a, "tg")),
          (403, 201), 201, k3=True),
@@ -122,6 +157,10 @@ CASES = [
 ]  # fmt: skip
 
 
+def _k3(case: Case, agent: str) -> bool:
+    return case.k3 and agent == "iso"
+
+
 def expected(case: Case, agent: str, who: str) -> int:
     if case.public:
         return case.admin
@@ -129,9 +168,21 @@ def expected(case: Case, agent: str, who: str) -> int:
         return 401
     if who == "other":
         return 403
-    if who == "agent":
+    if who == "peer" and case.bound and not _k3(case, agent):
+        return 403
+    if who in ("agent", "peer"):
         return case.agent_key[0 if agent == "iso" else 1]
     return case.admin
+
+
+def expected_rule(case: Case, agent: str, who: str) -> str:
+    if who in ("agent", "peer") and _k3(case, agent):
+        return "K3"
+    if who == "peer" and case.bound:
+        return case.bound
+    if who in ("agent", "peer") and case.agent_rule:
+        return case.agent_rule
+    return "K2"
 
 
 def secret_for(live: Live, agent: str, who: str) -> str | None:
@@ -139,6 +190,7 @@ def secret_for(live: Live, agent: str, who: str) -> str | None:
         "none": None,
         "revoked": live.seed.keys["revoked"],
         "other": live.seed.keys[other(agent)],
+        "peer": live.seed.keys[f"{agent}-peer"],
         "agent": live.seed.keys[agent],
         "admin": live.seed.keys["admin"],
     }[who]
@@ -147,7 +199,7 @@ def secret_for(live: Live, agent: str, who: str) -> str | None:
 @pytest.mark.parametrize("who", KEYS)
 @pytest.mark.parametrize("agent", ["iso", "open"])
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
-def test_K2_K3_K4_access_matrix(live: Live, case: Case, agent: str, who: str) -> None:
+def test_K2_K3_K4_P6_access_matrix(live: Live, case: Case, agent: str, who: str) -> None:
     method, path, kw = case.make(live, agent)
     r = live.request(method, path, secret_for(live, agent, who), **kw)
     want = expected(case, agent, who)
@@ -156,21 +208,20 @@ def test_K2_K3_K4_access_matrix(live: Live, case: Case, agent: str, who: str) ->
         err = r.json()["error"]
         assert err["code"] and err["message"]
         assert PNG not in r.content  # a refusal never carries the file
-        if want == 401:
-            assert err["rule"] == "K2"
-        elif who == "agent" and agent == "iso" and case.k3:
-            # K3: the body says why, and what would be allowed
-            assert err["rule"] == "K3", err
+        assert err["ref"].startswith("r-") and len(err["ref"]) == 14  # R6
+        rule = "K2" if want == 401 else expected_rule(case, agent, who)
+        assert err["rule"] == rule, err
+        if rule == "K3":  # the body says why, and what would be allowed
             assert "admin key" in err["message"] and "'iso'" in err["message"]
-        else:
-            assert err["rule"] == "K2", err
+        if who == "peer" and case.bound and rule == case.bound:
+            assert "belong to the API key that started them" in err["message"], err
     if want == 503:
         assert r.json()["error"]["code"] == "agent_unavailable"
 
 
 def test_K3_isolated_agent_admin_sees_strangers_chats(live: Live) -> None:
     r = live.request("GET", "/v1/agents/iso/chats", live.seed.keys["admin"])
-    assert {c["chat_id"] for c in r.json()} == {"42", "client-1"}
+    assert {c["chat_id"] for c in r.json()} == {"42", "client-1", "client-legacy"}
     conv = live.seed.tg["iso"].conv
     r = live.request("GET", f"/v1/agents/iso/chats/{conv.id}/messages", live.seed.keys["admin"])
     assert [m["text"] for m in r.json()] == ["secret-iso-42", "hello from 42"]

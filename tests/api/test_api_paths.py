@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 import pytest
 
@@ -174,9 +175,10 @@ def test_image_artifact_must_be_an_image(live: Live) -> None:
 
 
 def test_P6_share_revoked_only_by_its_session_or_an_admin(live: Live) -> None:
+    # P6: the session is the share's own; over the API it acts through the key its API
+    # chat is bound to. A peer key of the same agent claiming that session is refused.
     mine = live.seed.api["open"]
-    theirs = live.seed.tg["open"]
-    key = live.seed.keys["open"]
+    key, peer = live.seed.keys["open"], live.seed.keys["open-peer"]
     r = live.request(
         "POST",
         "/v1/shares",
@@ -184,17 +186,27 @@ def test_P6_share_revoked_only_by_its_session_or_an_admin(live: Live) -> None:
         json={"agent": "open", "session": mine.session.id, "path": "photo.png"},
     )
     share, url = r.json()["id"], r.json()["url"]
-    r = live.request("DELETE", f"/v1/shares/{share}", key)
+    r = live.request("DELETE", f"/v1/shares/{share}?session={mine.session.id}", peer)
     assert r.status_code == 403 and r.json()["error"]["rule"] == "P6"
-    assert "session" in r.json()["error"]["message"]
-    r = live.request("DELETE", f"/v1/shares/{share}?session={theirs.session.id}", key)
+    r = live.request("DELETE", f"/v1/shares/{url.rsplit('/', 1)[1]}", peer)  # by token
     assert r.status_code == 403 and r.json()["error"]["rule"] == "P6"
     assert live.request("GET", url).status_code == 200  # still shared
-    r = live.request("DELETE", f"/v1/shares/{share}?session={mine.session.id}", key)
+    r = live.request("DELETE", f"/v1/shares/{share}", key)
     assert r.status_code == 200 and r.json()["revoked_at"] is not None
+    assert r.json()["revoked_by"].endswith(f"session:{mine.session.id}")
     assert live.request("GET", url).status_code == 410  # revoked: gone
-    r = live.request("DELETE", f"/v1/shares/{share}?session={mine.session.id}", key)
+    r = live.request("DELETE", f"/v1/shares/{share}", key)
     assert r.status_code == 409
+
+
+def test_P6_a_channel_chats_share_is_not_revoked_by_a_bare_key(live: Live) -> None:
+    theirs = live.seed.tg["open"]
+    share, token = live.store.create_share(theirs.session.id, "photo.png")
+    r = live.request(
+        "DELETE", f"/v1/shares/{share.id}?session={theirs.session.id}", live.seed.keys["open"]
+    )
+    assert r.status_code == 403 and r.json()["error"]["rule"] == "P6"
+    assert live.request("GET", f"/v1/shares/{token}").status_code == 200
 
 
 def test_P6_admin_may_revoke_any_share(live: Live) -> None:
@@ -232,4 +244,5 @@ def test_errors_have_one_shape(live: Live) -> None:
         live.request("GET", "/v1/agents/open/chats"),
     ):
         err = r.json()["error"]
-        assert set(err) <= {"code", "message", "rule"} and err["code"] and err["message"]
+        assert set(err) <= {"code", "message", "rule", "ref"} and err["code"] and err["message"]
+        assert re.fullmatch(r"r-[0-9a-f]{12}", err["ref"])  # R6
