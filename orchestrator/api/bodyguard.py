@@ -41,6 +41,9 @@ BODY_SECONDS = 30.0
 """How long a body may take to arrive, in all."""
 
 _BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
+SELF_AUTHENTICATED = re.compile(r"^/(?:v1/telegram/[^/]+/webhook|dashboard/log(?:in|out))$")
+"""Routes that prove who calls them before they read a bounded body themselves: the
+Telegram webhook (its secret token header, W2) and the dashboard's sign-in form."""
 _AGENT_PATH = re.compile(r"^/v1/agents/([^/]+)(?:/|$)")
 _AGENT = re.compile(AGENT_ID_RE)
 
@@ -85,7 +88,7 @@ class BodyGuard:
             await self.app(scope, receive, send)
             return
         headers = Headers(scope=scope)
-        if not _has_body(scope, headers):
+        if not _has_body(scope, headers) or SELF_AUTHENTICATED.match(scope["path"]):
             await self.app(scope, receive, send)
             return
         refusal: ApiError | None

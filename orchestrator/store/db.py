@@ -51,6 +51,7 @@ class Database:
         self._local = threading.local()
         self._lock = threading.Lock()
         self._conns: dict[int, tuple[threading.Thread, sqlite3.Connection]] = {}
+        self._in_use: set[int] = set()
         self._closed = False
         self._create_file()
         self._migrate()
@@ -130,9 +131,29 @@ class Database:
         return StoreError(f"{what} {self.path} failed: {exc}")
 
     @contextmanager
+    def _using(self) -> Iterator[sqlite3.Connection]:
+        """This thread's connection, marked in use: `close` never closes it under a statement.
+
+        A store closed meanwhile closes the connection here, when its thread is done."""
+        conn = self.connection()
+        with self._lock:
+            self._in_use.add(id(conn))
+        try:
+            yield conn
+        finally:
+            with self._lock:
+                self._in_use.discard(id(conn))
+                if self._closed and self._conns.pop(id(conn), None) is not None:
+                    conn.close()
+                    self._local = threading.local()
+
+    @contextmanager
     def write(self) -> Iterator[sqlite3.Connection]:
         """One write transaction: `BEGIN IMMEDIATE`, COMMIT on success, ROLLBACK on error."""
-        conn = self.connection()
+        with self._using() as conn:
+            yield from self._write(conn)
+
+    def _write(self, conn: sqlite3.Connection) -> Iterator[sqlite3.Connection]:
         try:
             conn.execute("BEGIN IMMEDIATE")
         except sqlite3.Error as exc:
@@ -157,21 +178,24 @@ class Database:
     @contextmanager
     def read(self) -> Iterator[sqlite3.Connection]:
         """One read transaction: every statement inside sees the same snapshot."""
-        conn = self.connection()
-        try:
-            conn.execute("BEGIN")
+        with self._using() as conn:
             try:
-                yield conn
-            finally:
-                conn.execute("COMMIT")
-        except sqlite3.Error as exc:
-            raise StoreError(f"read from {self.path} failed: {exc}") from exc
+                conn.execute("BEGIN")
+                try:
+                    yield conn
+                finally:
+                    conn.execute("COMMIT")
+            except sqlite3.Error as exc:
+                raise StoreError(f"read from {self.path} failed: {exc}") from exc
 
     def close(self) -> None:
-        """Close every thread's connection; the store cannot be used afterwards."""
+        """Close every thread's idle connection; one in use is closed by its thread when
+        its statement ends (closing it underneath would crash the process). The store
+        cannot be used afterwards."""
         with self._lock:
             self._closed = True
-            for _thread, conn in self._conns.values():
-                conn.close()
-            self._conns.clear()
+            for key, (_thread, conn) in list(self._conns.items()):
+                if key not in self._in_use:
+                    conn.close()
+                    del self._conns[key]
         self._local = threading.local()

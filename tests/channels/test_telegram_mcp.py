@@ -28,6 +28,7 @@ from orchestrator.bridge import (
     install_client,
 )
 from orchestrator.bridge.telegram_tools import TelegramTools
+from orchestrator.harnesses.base import TurnRequest
 from orchestrator.harnesses.command import CommandHarness
 from orchestrator.store import Store
 from sandbox.backends.docker import DockerBackend
@@ -73,7 +74,7 @@ async def test_T1_preset_cli_sessions_get_only_the_bridge_mcp_server_and_the_t1_
     tg_scope = BridgeScope.for_conversation(sb.key, sb.session_id, paths)
     await server.open(tg_scope)
     try:
-        result = await harness.dispatch(sb.ctx(backend), "mcp:tools", {})
+        result = await harness.dispatch(sb.ctx(backend), TurnRequest("mcp:tools"))
         mcp = _listed(result.reply)
         assert list(mcp["servers"]) == ["cellgate"], "no operator server, no connector"
         assert mcp["servers"]["cellgate"]["args"] == ["/run/cellgate/cellgate-mcp"]
@@ -90,7 +91,7 @@ async def test_T1_preset_cli_sessions_get_only_the_bridge_mcp_server_and_the_t1_
     await server.open(api_scope)
     try:
         fresh = CommandHarness.preset(preset)  # type: ignore[arg-type]
-        listed = _listed((await fresh.dispatch(sb.ctx(backend), "mcp:tools", {})).reply)
+        listed = _listed((await fresh.dispatch(sb.ctx(backend), TurnRequest("mcp:tools"))).reply)
         names = set(listed["tools"]["cellgate"])
         assert names == {s.name for s in handlers.offered(api_scope)}
         assert not names & TELEGRAM_TOOLS, "an API session is not offered the telegram module"

@@ -620,3 +620,32 @@ def test_refusals_are_recorded_newest_first(store: Store, conv: Conversation) ->
     assert mine[1].detail == {"chat_id": "-5"}
     assert [r.rule for r in store.refusals(limit=1)] == ["P5"]
     assert len(store.refusals()) == 3
+
+
+def test_D1_close_while_another_thread_writes_waits_for_its_statement(tmp_path: Path) -> None:
+    """Closing a connection under a running statement crashed the process (a segfault)."""
+    store = Store.open(tmp_path)
+    conv = store.upsert_conversation(ConversationKey("a", "api", "c"))
+    inside = threading.Event()
+    release = threading.Event()
+    done: list[object] = []
+
+    def writer() -> None:
+        with store._db.write() as c:
+            inside.set()
+            release.wait(5)
+            c.execute("UPDATE conversations SET last_active_at = 2 WHERE id = ?", (conv.id,))
+        done.append("committed")
+
+    t = threading.Thread(target=writer)
+    t.start()
+    assert inside.wait(5)
+    store.close()  # the writer's connection is in use: left to its thread
+    release.set()
+    t.join(5)
+    assert done == ["committed"]
+    with pytest.raises(StoreError, match="closed"):
+        store.get_conversation(conv.id)
+    reopened = Store.open(tmp_path)
+    assert reopened.get_conversation(conv.id).last_active_at == 2.0  # type: ignore[union-attr]
+    reopened.close()
