@@ -230,7 +230,7 @@ def _audit_refusal(request: Request, ref: str, exc: AccessRefused) -> None:
 
 
 async def answer_failure(
-    request: Request, exc: BaseException, status: int, code: str
+    request: Request, exc: BaseException, status: int, code: str, rule: str | None = None
 ) -> JSONResponse:
     """R6: log the details under a fresh ref, audit them, answer the short message."""
     ref = new_ref()
@@ -240,7 +240,7 @@ async def answer_failure(
         exc_info=exc,
     )  # fmt: skip
     await asyncio.to_thread(_audit, request, ref, status, code, exc)
-    return error_response(status, code, failure_message(code, ref), ref=ref)
+    return error_response(status, code, failure_message(code, ref), rule, ref=ref)
 
 
 def answer_error(request: Request, status: int, code: str, message: str,
@@ -278,7 +278,7 @@ def install_error_handlers(app: FastAPI) -> None:
         if isinstance(exc, _TRY_AGAIN):
             return _try_again(request, exc, status, code, rule)
         if status >= 500:
-            return await answer_failure(request, exc, status, code)
+            return await answer_failure(request, exc, status, code, rule)
         ref = new_ref()
         if isinstance(exc, AccessRefused) and exc.key and rule in _AUDITED_RULES:
             await asyncio.to_thread(_audit_refusal, request, ref, exc)

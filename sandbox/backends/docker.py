@@ -67,6 +67,8 @@ HOST_GRACE = 3.0
 
 DEFAULT_DOCKER_HOST = "unix:///var/run/docker.sock"
 LABEL_PROBE = "io.cellgate.probe"
+# What the engine prints (exit 126) when the runtime cannot start an exec's process.
+_RUNTIME_EXEC_FAILED = b"OCI runtime exec failed"
 
 _STREAM_HEADER = struct.Struct(">BxxxL")
 _KILL_MARKED = (
@@ -314,6 +316,14 @@ class DockerBackend(SandboxBackend):
             self._kill_marked(job, marker)
             return ExecResult(-1, bytes(out.stdout), bytes(out.stderr), timed_out=True)
         code = self._exit_code(exec_id)
+        if code == 126 and _RUNTIME_EXEC_FAILED in bytes(out.stdout) + bytes(out.stderr):
+            # The runtime could not start a process in it (its pids are exhausted, its
+            # gVisor sentry is wedged): the sandbox is spent; the next turn gets a new one.
+            logger.warning(
+                "sandbox %s cannot start processes any more; removing it", job.container_id[:12]
+            )
+            self._remove_sync(job.container_id)
+            raise SandboxError("the sandbox could not start a process; it was replaced")
         elapsed = time.monotonic() - started
         timed_out = elapsed >= job.timeout and code in (124, 137)
         if timed_out:

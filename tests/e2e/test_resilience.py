@@ -250,13 +250,19 @@ def small_disk() -> Iterator[Path]:
 
 
 def fill(path: Path) -> Path:
+    """Write until the disk says no (ENOSPC), unbuffered: nothing left to flush at close."""
     filler = path / "filler"
-    with open(filler, "wb") as f:
-        chunk = b"\0" * (1 << 20)
+    fd = os.open(filler, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    chunk = b"\0" * (1 << 20)
+    try:
         with contextlib.suppress(OSError):
-            while True:
-                f.write(chunk)
-                f.flush()
+            while os.write(fd, chunk):
+                pass
+        with contextlib.suppress(OSError):
+            while os.write(fd, b"\0" * 4096):
+                pass
+    finally:
+        os.close(fd)
     return filler
 
 

@@ -95,7 +95,10 @@ def test_S4_drifted_sandbox_refuses_the_next_turn(
     assert r.status_code == 500, r.text
     err = r.json()["error"]
     assert err["code"] == "sandbox_drifted" and err["rule"] == "S4"
-    assert names in err["message"] and name in err["message"]
+    assert str(live.state_dir) not in err["message"]  # R6: the caller gets a ref, not paths
+    # the operator finds what differed, under that ref, in the audit table
+    [audit] = [r for r in live.gateway.store.refusals() if r.detail.get("ref") == err["ref"]]
+    assert names in audit.detail["message"] and name in audit.detail["message"]
     # Nothing ran: the command's trace is absent on the host.
     home = live.state_dir / "agents" / live.agent / "sandbox-homes"
     assert not list(home.glob("*/ran.txt"))

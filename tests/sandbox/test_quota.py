@@ -31,6 +31,7 @@ from sandbox.quota import (
     release_all,
 )
 from tests.fakes.no_engine import NoEngineBackend
+from tests.support.run_id import RUN_ID
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="loop mounts need root")
 
@@ -293,7 +294,9 @@ async def test_r2_without_root_sandboxed_agents_are_refused_with_how_to_fix(
     settings = GatewaySettings.model_validate({"stateDir": str(tmp_path)})
     with as_nobody(), caplog.at_level(logging.ERROR):
         support = probe(tmp_path / "quota")
-        sandboxes = ConversationSandboxes(app_in(tmp_path), settings, NoEngineBackend())
+        sandboxes = ConversationSandboxes(
+            app_in(tmp_path), settings, NoEngineBackend(), gateway_id=RUN_ID
+        )
     assert support.ok is False
     assert "not root" in support.reason and "gateway.quota" in support.reason
     assert "quota-bot is refused" in caplog.text
@@ -308,7 +311,9 @@ def test_r2_quota_off_warns_at_every_start(
     settings = GatewaySettings.model_validate({"stateDir": str(tmp_path), "quota": "off"})
     for _ in range(2):
         with caplog.at_level(logging.WARNING):
-            sandboxes = ConversationSandboxes(app_in(tmp_path), settings, NoEngineBackend())
+            sandboxes = ConversationSandboxes(
+                app_in(tmp_path), settings, NoEngineBackend(), gateway_id=RUN_ID
+            )
         assert sandboxes.quota is None and sandboxes.quota_refusal is None
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING and "R2" in r.message]
     assert len(warnings) == 2
