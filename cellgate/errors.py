@@ -120,6 +120,15 @@ class SandboxError(CellgateError):
     """Anything about a sandbox container."""
 
 
+class SandboxSpent(SandboxError):
+    """The runtime could not start a process in a sandbox (its pids are exhausted, its
+    gVisor sentry is wedged). Nothing ran; the sandbox was removed, so a retry gets a
+    fresh one."""
+
+    def __init__(self) -> None:
+        super().__init__("the sandbox could not start a process; it was replaced")
+
+
 class EngineUnavailable(SandboxError):
     def __init__(self, reason: str) -> None:
         self.reason = reason

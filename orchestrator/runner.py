@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from cellgate.errors import CellgateError, TurnTimeout
+from cellgate.errors import CellgateError, SandboxSpent, TurnTimeout
 from cellgate.models import ConversationKey
 from orchestrator.admission import SandboxGate
 from orchestrator.agents import AgentRuntime, Agents
@@ -133,7 +133,13 @@ class TurnRunner:
         harness_turn: str | None = None
         sandbox: list[str] = []
         try:
-            result = await self.execute(rt, conv, session_id, message.text, sandbox)
+            try:
+                result = await self.execute(rt, conv, session_id, message.text, sandbox)
+            except SandboxSpent:
+                # Nothing ran and the spent sandbox is gone: run once more in a fresh one.
+                logger.warning("retrying message %s in a fresh sandbox", message.id)
+                sandbox.clear()
+                result = await self.execute(rt, conv, session_id, message.text, sandbox)
             ok, harness_turn = result.ok, result.turn_id
             await asyncio.to_thread(
                 self.save_turn, rt, conv, session_id, "user", message.text, message.id, result

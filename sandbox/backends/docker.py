@@ -31,7 +31,7 @@ import docker.errors
 import docker.types
 import requests.exceptions
 
-from cellgate.errors import EngineUnavailable, ImageError, SandboxError
+from cellgate.errors import EngineUnavailable, ImageError, SandboxError, SandboxSpent
 from sandbox.backends.base import (
     ExecResult,
     ImageFacts,
@@ -323,7 +323,7 @@ class DockerBackend(SandboxBackend):
                 "sandbox %s cannot start processes any more; removing it", job.container_id[:12]
             )
             self._remove_sync(job.container_id)
-            raise SandboxError("the sandbox could not start a process; it was replaced")
+            raise SandboxSpent
         elapsed = time.monotonic() - started
         timed_out = elapsed >= job.timeout and code in (124, 137)
         if timed_out:
