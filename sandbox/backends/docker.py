@@ -68,7 +68,9 @@ HOST_GRACE = 3.0
 DEFAULT_DOCKER_HOST = "unix:///var/run/docker.sock"
 LABEL_PROBE = "io.cellgate.probe"
 # What the engine prints (exit 126) when the runtime cannot start an exec's process.
-_RUNTIME_EXEC_FAILED = b"OCI runtime exec failed"
+# How an exec says its command never started: the runtime could not start our
+# `timeout` wrapper (126), or the wrapper could not fork the command (125).
+_NEVER_STARTED = {126: b"OCI runtime exec failed", 125: b"timeout: fork system call failed"}
 
 _STREAM_HEADER = struct.Struct(">BxxxL")
 _KILL_MARKED = (
@@ -316,9 +318,10 @@ class DockerBackend(SandboxBackend):
             self._kill_marked(job, marker)
             return ExecResult(-1, bytes(out.stdout), bytes(out.stderr), timed_out=True)
         code = self._exit_code(exec_id)
-        if code == 126 and _RUNTIME_EXEC_FAILED in bytes(out.stdout) + bytes(out.stderr):
-            # The runtime could not start a process in it (its pids are exhausted, its
-            # gVisor sentry is wedged): the sandbox is spent; the next turn gets a new one.
+        said = _NEVER_STARTED.get(code) if code is not None else None
+        if said is not None and said in bytes(out.stdout) + bytes(out.stderr):
+            # No process could start in it (its pids are exhausted, its gVisor sentry
+            # is wedged): the sandbox is spent and nothing of the command ran.
             logger.warning(
                 "sandbox %s cannot start processes any more; removing it", job.container_id[:12]
             )

@@ -29,6 +29,8 @@ pytestmark = pytest.mark.docker
 
 CHAT = "victim"
 BOMB = "timeout -s KILL 10 sh -c 'b() { b | b & }; b; sleep 30'; echo bombed"
+# takes every pid of its sandbox and keeps grabbing any pid freed
+HOARD = "import os, time\nwhile True:\n try:\n  os.fork() or time.sleep(600)\n except OSError:\n  time.sleep(0.01)"
 OOM = 'python3 -c "b = []\nwhile True: b.append(bytearray(64 << 20))"; echo oom-done'
 
 
@@ -154,3 +156,22 @@ async def test_S5_R7_next_turn_after_fork_bomb_or_oom_works_with_memory(
             "cannot start processes" in r.getMessage() for r in caplog.records
         )
     assert "bombed" not in await _run(gw, "echo ok")  # and it keeps working
+
+
+async def test_S5_R7_turn_in_a_sandbox_out_of_pids_runs_in_a_fresh_one(
+    gw: Gateway, docker_client: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A sandbox whose pids are all taken cannot start the next turn's process; nothing
+    of that turn ran, so the gateway replaces the sandbox and runs the turn there."""
+    mark = f"remember-{secrets.token_hex(4)}"
+    await _remember(gw, mark)
+    first = _container(gw, docker_client)
+    await _run(gw, f"setsid python3 -c '{HOARD}' >/dev/null 2>&1 & sleep 2; echo hoarding")
+    first.reload()
+    assert first.attrs["State"]["Running"]
+    with caplog.at_level(logging.WARNING):
+        await _recalls(gw, mark)  # answered, not failed
+    second = _container(gw, docker_client)
+    assert second.id != first.id
+    assert any("cannot start processes" in r.getMessage() for r in caplog.records)
+    assert any("retrying message" in r.getMessage() for r in caplog.records)
