@@ -30,7 +30,10 @@ pytestmark = pytest.mark.docker
 CHAT = "victim"
 BOMB = "timeout -s KILL 10 sh -c 'b() { b | b & }; b; sleep 30'; echo bombed"
 # takes every pid of its sandbox and keeps grabbing any pid freed
-HOARD = "import os, time\nwhile True:\n try:\n  os.fork() or time.sleep(600)\n except OSError:\n  time.sleep(0.01)"
+HOARD = (
+    "import os, time\nwhile True:\n try:\n  os.fork() or time.sleep(600)\n"
+    " except OSError:\n  time.sleep(0.01)"
+)
 OOM = 'python3 -c "b = []\nwhile True: b.append(bytearray(64 << 20))"; echo oom-done'
 
 
