@@ -159,3 +159,42 @@ def test_r2_after_an_unmount_the_next_turn_mounts_again_and_finds_its_data(
     reply = live.run("reboot", cd + "cat MEMORY.md; echo x > w && echo wrote")
     assert "kept-across" in reply and "wrote" in reply, reply
     assert (host_chat / "MEMORY.md").read_text().strip() == "kept-across"
+
+
+async def test_r2_an_evicted_sandbox_lets_go_of_its_quota_mounts_and_keeps_its_data(
+    tmp_path_factory: pytest.TempPathFactory, docker_client: Any, base_image: str
+) -> None:
+    """Mounts (and loop devices) live only with sandboxes: a stranger who opens ten
+    thousand chats does not leave ten thousand loop mounts on the host."""
+    from orchestrator.config import load_config
+    from orchestrator.gateway import Gateway
+    from sandbox.quota import mountinfo
+    from sandbox.spec import sandbox_name
+
+    app = f"qr{secrets.token_hex(4)}"
+    tmp = tmp_path_factory.mktemp(app)
+    config = install_test_app(
+        tmp, docker_client, base_image, app, {"limits": {"diskMb": DISK_MB, "diskInodes": INODES}}
+    )
+    gw = Gateway(load_config(config), DockerBackend.from_env())
+    try:
+        agent = next(iter(gw.agents))
+        d = ConversationKey(agent, "api", "evicted").dir_name
+        memory = f"/workspace/chats/{d}/MEMORY.md"
+        turn = await gw.turn(agent, "api", "evicted", f"echo kept > {memory}")
+        assert turn.result.ok
+        host_chat = config.parent / "agents" / agent / "workspace" / "chats" / d
+        assert any(e.mount_point == str(host_chat) for e in mountinfo())
+        rt = gw.agents[agent]
+        assert rt.app is not None
+        name = sandbox_name(
+            rt.app.name, ConversationKey(agent, "api", "evicted").digest, gateway=gw.gateway_id
+        )
+        assert await gw.sandboxes.evict(name)
+        assert not any(str(config.parent) in e.mount_point for e in mountinfo())
+        again = await gw.turn(agent, "api", "evicted", f"cat {memory}")
+        assert "kept" in again.result.reply, again.result.reply
+    finally:
+        await gw.close()
+        remove_app_containers(docker_client, app)
+        release_all(tmp)
