@@ -63,6 +63,14 @@ class _Capped:
                 self.data += chunk[:room]
 
 
+async def _exited(proc: asyncio.subprocess.Process) -> None:
+    """Until the process itself exits (`wait()` also waits for every holder of its pipes)."""
+    delay = 0.005
+    while proc.returncode is None:
+        await asyncio.sleep(delay)
+        delay = min(delay * 2, 0.1)
+
+
 def _kill_group(pid: int) -> None:
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pid, signal.SIGKILL)
@@ -99,31 +107,29 @@ class HostExec(SandboxBackend):
             return ExecResult(127, b"", msg.encode())
         out, err = _Capped(self.output_cap), _Capped(self.output_cap)
         assert proc.stdout is not None and proc.stderr is not None
-        readers = asyncio.gather(out.drain(proc.stdout), err.drain(proc.stderr), proc.wait())
+        drains = asyncio.gather(out.drain(proc.stdout), err.drain(proc.stderr))
         feeder = asyncio.ensure_future(self._feed(proc, stdin))
         timed_out = False
         try:
             async with asyncio.timeout(timeout):
-                await asyncio.shield(readers)
+                await _exited(proc)
         except TimeoutError:
             timed_out = True
-            _kill_group(proc.pid)
             logger.info("host exec for %s timed out after %.1fs", handle.name, timeout)
         finally:
-            if not timed_out and proc.returncode is None:
-                _kill_group(proc.pid)
-            # A child that kept the pipes open after the kill cannot hold the turn.
+            # What is left of its process group (the timed-out command, or a child
+            # it left behind) is killed; output already in the pipes is still read,
+            # and a child that escaped the group cannot hold the turn past the grace.
+            _kill_group(proc.pid)
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(KILL_GRACE):
-                    await asyncio.shield(readers)
-            _kill_group(proc.pid)  # whatever of the group is left (a daemonised child)
-            feeder.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await feeder
-            if not readers.done():
-                readers.cancel()
+                    await asyncio.shield(drains)
+                    await proc.wait()
+            for task in (drains, feeder):
+                if not task.done():
+                    task.cancel()
                 with contextlib.suppress(asyncio.CancelledError, Exception):
-                    await readers
+                    await task
         code = proc.returncode if proc.returncode is not None else -signal.SIGKILL
         return ExecResult(code, bytes(out.data), bytes(err.data), timed_out=timed_out)
 
