@@ -276,6 +276,7 @@ class TurnRunner:
             not rt.config.disable_archive,
             shown_workspace=shown_workspace,
             report=audit_left_out(self.store, conversation, "M5"),
+            secret_report=audit_left_out(self.store, conversation, "M8"),
         )
 
     def save_turn(
