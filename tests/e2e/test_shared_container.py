@@ -11,77 +11,27 @@ from __future__ import annotations
 
 import json
 import secrets
-import shutil
-from collections.abc import AsyncIterator, Callable
-from pathlib import Path
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
-import yaml
 
 from cellgate.errors import MountVerificationFailed
-from orchestrator.apps import install_app
-from orchestrator.config import load_config, write_config_document
-from orchestrator.demo import sample_app_dir
 from orchestrator.gateway import Gateway
 from orchestrator.shared_sandbox import SHARED_HOME
-from sandbox.backends.docker import DockerBackend
-from sandbox.gateway_id import write_gateway_id
 from sandbox.spec import LABEL_GATEWAY, shared_sandbox_name
-from tests.e2e.conftest import SUITE_ADMISSION
-from tests.support.run_id import RUN_ID, remove_run_containers
+from tests.support.app_gateways import MakeGateway, app_gateways
+from tests.support.run_id import RUN_ID
 
 pytestmark = pytest.mark.docker
-
-Make = Callable[[bool], AsyncIterator[Gateway]]
-
-
-def _install(tmp: Path, docker_client: Any, base_image: str, app: str, isolated: bool) -> Path:
-    src = tmp / "app-src"
-    shutil.copytree(sample_app_dir(), src, symlinks=True)
-    manifest = yaml.safe_load((src / "app.yaml").read_text())
-    manifest["name"] = app
-    manifest["services"]["agent"]["name"] = f"{app}-bot"
-    manifest["services"]["agent"]["isolate_memory"] = isolated
-    (src / "app.yaml").write_text(yaml.safe_dump(manifest))
-    state = tmp / "state"
-    state.mkdir()
-    write_gateway_id(state, RUN_ID)
-    config = state / "config.json"
-    write_config_document(
-        config,
-        {
-            "gateway": {
-                "stateDir": str(state),
-                "admission": SUITE_ADMISSION,
-                "limits": {"pids": 64},
-            },
-            "agents": [],
-        },
-    )
-    install_app(
-        src, config, state, docker_client, lambda _: None, build_args={"BASE_IMAGE": base_image}
-    )
-    return config
 
 
 @pytest.fixture
 async def gateways(
     tmp_path_factory: pytest.TempPathFactory, docker_client: Any, base_image: str
-) -> AsyncIterator[Callable[[bool], Any]]:
-    made: list[tuple[Gateway, str]] = []
-
-    async def make(isolated: bool) -> Gateway:
-        app = f"{'iso' if isolated else 'shr'}{secrets.token_hex(3)}"
-        config = _install(tmp_path_factory.mktemp(app), docker_client, base_image, app, isolated)
-        gw = Gateway(load_config(config), DockerBackend.from_env())
-        made.append((gw, app))
-        return gw
-
-    yield make
-    for gw, app in made:
-        await gw.close()
-        remove_run_containers(docker_client, app)
+) -> AsyncIterator[MakeGateway]:
+    async with app_gateways(tmp_path_factory, docker_client, base_image) as make:
+        yield make
 
 
 def _agent(gw: Gateway) -> str:
@@ -89,7 +39,7 @@ def _agent(gw: Gateway) -> str:
 
 
 async def test_S6_two_chats_of_a_non_isolated_app_agent_share_the_app_container(
-    gateways: Callable[[bool], Any], docker_client: Any
+    gateways: MakeGateway, docker_client: Any
 ) -> None:
     gw: Gateway = await gateways(False)
     agent = _agent(gw)
@@ -136,7 +86,7 @@ async def test_S6_two_chats_of_a_non_isolated_app_agent_share_the_app_container(
 
 
 async def test_S6_S4_a_loosened_app_container_is_refused_and_replaced(
-    gateways: Callable[[bool], Any], docker_client: Any
+    gateways: MakeGateway, docker_client: Any
 ) -> None:
     gw: Gateway = await gateways(False)
     agent = _agent(gw)
@@ -152,7 +102,7 @@ async def test_S6_S4_a_loosened_app_container_is_refused_and_replaced(
 
 
 async def test_S6_two_chats_of_an_isolated_app_agent_never_share(
-    gateways: Callable[[bool], Any],
+    gateways: MakeGateway,
 ) -> None:
     gw: Gateway = await gateways(True)
     agent = _agent(gw)
