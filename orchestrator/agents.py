@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 from cellgate.errors import AgentUnavailable, AppError, UnknownAgent
 from orchestrator.apps import InstalledApp
@@ -18,7 +19,10 @@ from orchestrator.harnesses.base import Harness
 from orchestrator.harnesses.command import CommandHarness
 from orchestrator.harnesses.openai import OpenAIHarness
 from orchestrator.harnesses.shell import ShellHarness
+from orchestrator.host_agents import HOST_CAVEAT, HostSessions, host_refusal
 from orchestrator.sandboxes import ConversationSandboxes
+from orchestrator.shared_sandbox import SharedAppSandbox
+from orchestrator.store import Store
 from sandbox.backends.base import SandboxBackend
 
 logger = logging.getLogger(__name__)
@@ -40,9 +44,17 @@ class AgentRuntime:
     config: AgentConfig
     harness: Harness
     app: InstalledApp | None = None
-    sandboxes: ConversationSandboxes | None = None
+    sandboxes: ConversationSandboxes | SharedAppSandbox | None = None
     started_isolated: bool = False
     unavailable: str | None = None  # why it cannot take turns (a failed runtime check)
+    host: HostSessions | None = None  # a host agent's turns on this host (S6)
+
+    @property
+    def workspace(self) -> Path | None:
+        """Where its conversations' chats/ live on the host, once it can take turns."""
+        if self.sandboxes is not None:
+            return self.sandboxes.app.workspace
+        return None if self.host is None else self.host.workspace
 
 
 def load_runtime(
@@ -51,6 +63,12 @@ def load_runtime(
     """The agent's harness, and for an app agent its installed app and sandboxes."""
     rt = AgentRuntime(agent, build_harness(agent), started_isolated=agent.isolate_memory)
     if agent.app is None:
+        rt.unavailable = host_refusal(agent)
+        if rt.unavailable is not None:
+            logger.error("host agent %s takes no turns: %s", agent.id, rt.unavailable)
+            return rt
+        rt.host = HostSessions(agent, settings)
+        logger.warning("host agent %s: %s", agent.id, HOST_CAVEAT)
         return rt
     try:
         app = InstalledApp.load(settings.state_dir, agent.app)
@@ -58,7 +76,10 @@ def load_runtime(
         logger.error("agent %s: %s", agent.id, exc)
         return rt
     rt.app = app
-    rt.sandboxes = ConversationSandboxes(app, settings, backend, gateway_id=gateway_id)
+    if agent.isolate_memory:
+        rt.sandboxes = ConversationSandboxes(app, settings, backend, gateway_id=gateway_id)
+    else:  # S6: every conversation in the app's one container
+        rt.sandboxes = SharedAppSandbox(app, settings, backend, gateway_id=gateway_id)
     return rt
 
 
@@ -98,14 +119,15 @@ class Agents(Mapping[str, AgentRuntime]):
         rt = self.require(agent_id)
         if rt.unavailable is not None:
             raise AgentUnavailable(agent_id, rt.unavailable)
-        if rt.sandboxes is None:
-            reason = (
-                f"its app {rt.config.app!r} is not installed"
-                if rt.config.app
-                else "host agents are not served by this gateway yet; declare it in an app"
-            )
-            raise AgentUnavailable(agent_id, reason)
+        if rt.sandboxes is None and rt.host is None:
+            raise AgentUnavailable(agent_id, f"its app {rt.config.app!r} is not installed")
         return rt
+
+    def mint_host_keys(self, store: Store) -> None:
+        """K2: each host agent's MCP server gets a key of its own, minted at start."""
+        for rt in self._runtimes.values():
+            if rt.host is not None:
+                rt.host.mint_key(store)
 
     def app_names(self) -> frozenset[str]:
         """The apps whose sandboxes this gateway owns."""

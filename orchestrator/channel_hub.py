@@ -200,8 +200,8 @@ class ChannelInbox:
                 with contextlib.suppress(StateConflict):
                     await asyncio.to_thread(self.store.end_session, session.id)
             rt = self.agents.get(key.agent)
-            if rt is not None and rt.sandboxes is not None:
-                chat_dir = rt.sandboxes.app.workspace / "chats" / key.dir_name
+            if rt is not None and rt.workspace is not None:
+                chat_dir = rt.workspace / "chats" / key.dir_name
                 with contextlib.suppress(OSError):
                     await asyncio.to_thread(save_session_id, chat_dir, "", None)
         channel = self.channels.get((key.agent, key.channel))

@@ -74,6 +74,7 @@ class Gateway:
         self.store = store or Store.open(settings.state_dir, clock=clock)
         self.gateway_id = load_gateway_id(settings.state_dir)  # R1: what this gateway owns
         self.agents = Agents.load(config.agents, settings, backend, self.gateway_id)
+        self.agents.mint_host_keys(self.store)  # K2
         self.metrics = Metrics(self.store.path, clock)  # O2
         self.channels: dict[ChannelKey, Channel] = build_channels(config, self.store)
         self.outbox = GatewayOutbox(self.channels)

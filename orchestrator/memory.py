@@ -6,9 +6,12 @@
   `chats/<dir>/USER.md` and `MEMORY.md`; the workspace-root ones, which may
   hold data from before the mode was on, are left out (M3, M5). An over-budget
   file gets the `policies.memory.budget_banner` above its section; the file on
-  disk is never rewritten (M7). The retrieval note, core-shrink and the
-  write-routing addendum all point at `memory_search`, so they appear only for
-  a non-isolated agent whose archive is on (A2, T2).
+  disk is never rewritten (M7). A line that seems to carry a key, token,
+  password or private key is left out with `policies.memory.secret_banner`
+  above its section, and audited (M8); the file is not rewritten either. The
+  retrieval note, core-shrink and the write-routing addendum all point at
+  `memory_search`, so they appear only for a non-isolated agent whose archive
+  is on (A2, T2).
 - `write_session_files`: put the composed text in the session's
   `~/.claude/CLAUDE.md` (`ConversationPaths.home_dir / "CLAUDE.md"` on the host).
 - `heartbeat_targets`: each live session gets a heartbeat in its own
@@ -34,7 +37,7 @@ from cellgate.errors import UnsafePath
 from cellgate.models import HEARTBEAT_CHAT, ConversationKey
 from orchestrator.config import MemorySettings
 from orchestrator.safefs import READ_CAP_BYTES, LeftOut, SafeDir, left_out
-from policies.memory import budget_banner
+from policies.memory import budget_banner, secret_banner, secret_lines
 from sandbox.mountplan import WORKSPACE
 
 __all__ = [
@@ -150,6 +153,22 @@ def _section_index(text: str) -> str:
     return "\n".join(f"- {h}" for h in heads[:60])
 
 
+def _without_secrets(rel: str, text: str, report: LeftOut | None) -> tuple[str, str | None]:
+    """M8: the text without its secret-looking lines, and the banner saying so (or None).
+
+    Each line left out is logged (file and line number, never the value) and
+    told to `report` as an `UnsafePath` of kind `secret`; the file is not rewritten.
+    """
+    kept, dropped = secret_lines(text)
+    for d in dropped:
+        logger.warning(
+            "line %d of %s left out of the composed memory: %s (M8)", d.line, rel, d.kind
+        )
+        if report is not None:
+            report(UnsafePath(f"{rel}:{d.line}", "secret", f"seems to carry {d.kind}"))
+    return kept, secret_banner(PurePosixPath(rel).name, dropped)
+
+
 def _memory_section(
     title: str,
     file: _File | None,
@@ -158,20 +177,25 @@ def _memory_section(
     settings: MemorySettings,
     *,
     core_shrink: bool,
+    rel: str = "",
+    secret_report: LeftOut | None = None,
 ) -> str:
     if file is None or not file.text.strip():
         return _section(title, "(empty)")
+    text, secret_note = _without_secrets(rel, file.text, secret_report)
     banner = budget_banner(kind, file.chars, budget, settings.over_budget)
     if banner is not None and core_shrink:
         body = (
             f"{banner}\n\nThe full text is not shown here; it stays searchable. Section index:\n"
-            f"{_section_index(file.text)}\n\nUse memory_search to find an entry and "
+            f"{_section_index(text)}\n\nUse memory_search to find an entry and "
             "memory_get to read it."
         )
     else:
-        body = _capped(file.text.strip())
+        body = _capped(text.strip()) if text.strip() else "(empty)"
         if banner is not None:
             body = f"{banner}\n\n{body}"
+    if secret_note is not None:
+        body = f"{secret_note}\n\n{body}"
     return _section(title, body)
 
 
@@ -224,6 +248,7 @@ def compose_claude_md(
     write_routing: bool = False,
     shown_workspace: PurePosixPath = WORKSPACE,
     report: LeftOut | None = None,
+    secret_report: LeftOut | None = None,
 ) -> str:
     """The CLAUDE.md text a session of this agent (and conversation) receives at spawn.
 
@@ -232,7 +257,9 @@ def compose_claude_md(
     not read otherwise. `shown_workspace` is where the session sees the
     workspace (`/workspace` in a sandbox); the Memory Rule names the
     conversation's files there. Nothing on disk is modified. A file that is
-    not a plain regular file is left out (logged, and told to `report`).
+    not a plain regular file is left out (logged, and told to `report`). A
+    memory line that seems to carry a secret is left out with a banner (M8),
+    logged, and told to `secret_report`.
     """
     parts: list[str] = []
     template = _load(workspace / "CLAUDE.md")
@@ -257,6 +284,8 @@ def compose_claude_md(
                 settings.user_budget_chars,
                 settings,
                 core_shrink=False,
+                rel=f"{rel.as_posix()}/USER.md",
+                secret_report=secret_report,
             )
         )
         parts.append(
@@ -267,6 +296,8 @@ def compose_claude_md(
                 settings.memory_budget_chars,
                 settings,
                 core_shrink=False,
+                rel=f"{rel.as_posix()}/MEMORY.md",
+                secret_report=secret_report,
             )
         )
         return "\n".join(parts)
@@ -280,6 +311,8 @@ def compose_claude_md(
             settings.user_budget_chars,
             settings,
             core_shrink=False,
+            rel="USER.md",
+            secret_report=secret_report,
         )
     )
     parts.append(
@@ -290,6 +323,8 @@ def compose_claude_md(
             settings.memory_budget_chars,
             settings,
             core_shrink=archive_enabled,
+            rel="MEMORY.md",
+            secret_report=secret_report,
         )
     )
     if archive_enabled:

@@ -16,7 +16,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 from cellgate.errors import CellgateError, SandboxSpent, TurnTimeout
 from cellgate.models import ConversationKey
@@ -35,6 +35,7 @@ from orchestrator.harnesses.base import (
 )
 from orchestrator.memory import compose_claude_md, write_session_files
 from orchestrator.metrics import Stage
+from orchestrator.placement import Placement
 from orchestrator.safefs import audit_left_out
 from orchestrator.store import Conversation, ConversationId, Message, MessageId, SessionId
 from orchestrator.store.views import SandboxStore
@@ -47,6 +48,7 @@ from orchestrator.transcripts import (
 from orchestrator.turns import TurnAnswer
 from policies.tools import session_env_flags
 from sandbox.backends.base import SandboxBackend
+from sandbox.mountplan import WORKSPACE
 
 logger = logging.getLogger(__name__)
 
@@ -162,28 +164,18 @@ class TurnRunner:
         text: str,
         sandbox: list[str],
     ) -> TurnResult:
-        """One harness turn in the conversation's verified sandbox, with its bridge open."""
-        assert rt.sandboxes is not None
+        """One harness turn in the conversation's verified sandbox, with its bridge open.
+
+        The sandbox is the conversation's own (isolated app agent), the app's
+        one container (app agent without isolate mode, S6), or the host (host agent).
+        """
         key = conversation_key(conv)
-        if self.gate is not None:
-            await self.gate.make_room(conv.id)  # R4: the sandbox cap
-        try:
-            started = time.perf_counter()
-            prepared = await rt.sandboxes.ensure(key, session_id)
-            self.observe("sandbox_ensure", conv.agent, time.perf_counter() - started)
-            sandbox.append(prepared.handle.name)
-            await asyncio.to_thread(
-                self.store.record_sandbox,
-                prepared.handle.name,
-                conversation=conv.id,
-                app=prepared.spec.app,
-                agent=conv.agent,
-                spec_hash=prepared.handle.spec_hash,
-            )
-        finally:
-            if self.gate is not None:
-                self.gate.settled(conv.id)
-        paths = prepared.paths
+        if rt.host is not None:
+            place = await asyncio.to_thread(rt.host.prepare, key, session_id)
+            sandbox.append(place.handle.name)
+        else:
+            place = await self.place_in_sandbox(rt, conv, key, session_id, sandbox)
+        paths = place.paths
         await asyncio.to_thread(install_client, paths.bridge_dir)
         scope = BridgeScope.for_conversation(
             key,
@@ -194,7 +186,7 @@ class TurnRunner:
         )
         await self.bridge.open(scope)
         system_prompt = await asyncio.to_thread(
-            self.compose, rt, paths.workspace, paths.chat_dir, conv.id
+            self.compose, rt, paths.workspace, paths.chat_dir, conv.id, place.shown_workspace
         )
         await asyncio.to_thread(write_session_files, paths.home_dir, system_prompt)
         d3 = audit_left_out(self.store, conv.id, "D3")
@@ -210,10 +202,12 @@ class TurnRunner:
         ctx = SessionContext(
             conversation=key,
             session_key=session_id,
-            backend=self.backend,
-            sandbox=prepared.handle,
-            env=session_env(key, prepared.spec.home),
-            workdir=prepared.spec.workdir,
+            backend=place.backend or self.backend,
+            sandbox=place.handle,
+            env={**session_env(key, place.home), **place.env},
+            workdir=place.workdir,
+            shown_workspace=place.shown_workspace,
+            bridge_argv=place.bridge_argv,
         )
         timeout = self.settings.turn_timeout_seconds
         started = time.perf_counter()
@@ -232,8 +226,43 @@ class TurnRunner:
             )
         return result
 
+    async def place_in_sandbox(
+        self,
+        rt: AgentRuntime,
+        conv: Conversation,
+        key: ConversationKey,
+        session_id: SessionId,
+        sandbox: list[str],
+    ) -> Placement:
+        """Ensure and verify the container the turn runs in (S4), under the sandbox cap (R4)."""
+        assert rt.sandboxes is not None
+        if self.gate is not None:
+            await self.gate.make_room(conv.id)  # R4: the sandbox cap
+        try:
+            started = time.perf_counter()
+            prepared = await rt.sandboxes.ensure(key, session_id)
+            self.observe("sandbox_ensure", conv.agent, time.perf_counter() - started)
+            sandbox.append(prepared.handle.name)
+            await asyncio.to_thread(
+                self.store.record_sandbox,
+                prepared.handle.name,
+                conversation=conv.id,
+                app=prepared.spec.app,
+                agent=conv.agent,
+                spec_hash=prepared.handle.spec_hash,
+            )
+        finally:
+            if self.gate is not None:
+                self.gate.settled(conv.id)
+        return prepared.placement()
+
     def compose(
-        self, rt: AgentRuntime, workspace: Path, chat_dir: Path, conversation: ConversationId
+        self,
+        rt: AgentRuntime,
+        workspace: Path,
+        chat_dir: Path,
+        conversation: ConversationId,
+        shown_workspace: PurePosixPath = WORKSPACE,
     ) -> str:
         """M5, M7: the session's CLAUDE.md, composed on the host at spawn.
 
@@ -245,7 +274,9 @@ class TurnRunner:
             self.settings.memory,
             rt.started_isolated,
             not rt.config.disable_archive,
+            shown_workspace=shown_workspace,
             report=audit_left_out(self.store, conversation, "M5"),
+            secret_report=audit_left_out(self.store, conversation, "M8"),
         )
 
     def save_turn(
@@ -259,9 +290,9 @@ class TurnRunner:
         result: TurnResult,
     ) -> None:
         """D3: the transcript and the harness session id, after every turn."""
-        assert rt.sandboxes is not None
+        assert rt.workspace is not None
         key = conversation_key(conv)
-        chat_dir = rt.sandboxes.app.workspace / "chats" / key.dir_name
+        chat_dir = rt.workspace / "chats" / key.dir_name
         now = self.clock()
         d3 = audit_left_out(self.store, conv.id, "D3")
         append_transcript(

@@ -19,7 +19,7 @@ from orchestrator.agents import Agents
 from orchestrator.bridge import BridgeServer
 from orchestrator.config import GatewaySettings
 from orchestrator.runner import TurnRunner, conversation_key
-from orchestrator.store import ConversationId
+from orchestrator.store import ConversationId, Sandbox, Session
 from orchestrator.store.views import SandboxStore
 from orchestrator.turns import TurnLoop
 from sandbox.backends.base import SandboxBackend
@@ -30,6 +30,7 @@ from sandbox.spec import (
     LABEL_GATEWAY,
     LABEL_MANAGED,
     LABEL_SPEC_HASH,
+    shared_sandbox_name,
 )
 
 logger = logging.getLogger(__name__)
@@ -103,19 +104,29 @@ class SandboxKeeper:
             on_removed=self.removed,
         )
 
+    async def _sessions_in(self, sb: Sandbox) -> list[Session]:
+        """The live sessions running in `sb`: its conversation's, or for the app's one
+        container `<app>-agent` (S6) every conversation's of its agent."""
+        if sb.name == shared_sandbox_name(sb.app):
+            return await asyncio.to_thread(self.store.live_sessions, sb.agent)
+        return await asyncio.to_thread(self.store.live_sessions, conversation=sb.conversation_id)
+
+    def _turn_in(self, sb: Sandbox, sessions: list[Session]) -> bool:
+        convs = {sb.conversation_id, *(s.conversation_id for s in sessions)}
+        return any(s.busy for s in sessions) or any(self.loop.conversation_busy(c) for c in convs)
+
     async def _last_active(self, name: str) -> float | None:
         sb = await asyncio.to_thread(self.store.get_sandbox, name)
         if sb is None:
             return None
-        live = await asyncio.to_thread(self.store.live_sessions, conversation=sb.conversation_id)
+        live = await self._sessions_in(sb)
         return max([sb.last_used_at, *(s.last_active_at for s in live)])
 
     async def _busy(self, name: str) -> bool:
         sb = await asyncio.to_thread(self.store.get_sandbox, name)
         if sb is None:
             return False
-        live = await asyncio.to_thread(self.store.live_sessions, conversation=sb.conversation_id)
-        return any(s.busy for s in live)
+        return self._turn_in(sb, await self._sessions_in(sb))
 
     @contextlib.asynccontextmanager
     async def _guard(self, name: str) -> AsyncIterator[None]:
@@ -133,7 +144,7 @@ class SandboxKeeper:
             return
         await self.bridge.close(sb.conversation_id)
         self.runner.outbox.pending.take(sb.conversation_id)  # nothing waits for these now
-        for s in await asyncio.to_thread(self.store.live_sessions, conversation=sb.conversation_id):
+        for s in await self._sessions_in(sb):
             await asyncio.to_thread(self.store.end_session, s.id)
         await asyncio.to_thread(self.store.forget_sandbox, name)
         await self._release_quota(sb.conversation_id)
@@ -154,17 +165,14 @@ class SandboxKeeper:
         """This gateway's sandboxes as the store knows them, with whether a turn is in one."""
         out: list[LiveSandbox] = []
         for sb in await asyncio.to_thread(self.store.sandboxes):
-            sessions = await asyncio.to_thread(
-                self.store.live_sessions, conversation=sb.conversation_id
-            )
-            busy = any(s.busy for s in sessions) or self.loop.conversation_busy(sb.conversation_id)
+            busy = self._turn_in(sb, await self._sessions_in(sb))
             out.append(LiveSandbox(sb.name, sb.conversation_id, sb.last_used_at, busy))
         return out
 
     async def evict(self, name: str) -> bool:
         """Remove an idle sandbox now (R4), unless its conversation took it meanwhile."""
         sb = await asyncio.to_thread(self.store.get_sandbox, name)
-        if sb is not None and self.loop.conversation_busy(sb.conversation_id):
+        if sb is not None and self._turn_in(sb, await self._sessions_in(sb)):
             return False
         if sb is None:
             await self.backend.remove(name)

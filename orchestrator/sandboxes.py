@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from cellgate.errors import QuotaError
@@ -19,6 +19,7 @@ from cellgate.models import ConversationKey
 from orchestrator.apps import InstalledApp
 from orchestrator.config import GatewaySettings
 from orchestrator.conversations import ConversationPaths, conversation_paths, ensure_conversation
+from orchestrator.placement import Placement
 from orchestrator.store.messages import conversation_id
 from policies.secrets import env_entry
 from sandbox.backends.base import ImageFacts, SandboxBackend, SandboxHandle
@@ -105,6 +106,18 @@ class PreparedSandbox:
     spec: SandboxSpec
     paths: ConversationPaths
     handle: SandboxHandle
+    env: Mapping[str, str] = field(default_factory=dict)
+
+    def placement(self) -> Placement:
+        """Where the runner runs the turn: this verified container."""
+        return Placement(
+            handle=self.handle,
+            paths=self.paths,
+            home=self.spec.home,
+            workdir=self.spec.workdir,
+            app=self.spec.app,
+            env=self.env,
+        )
 
 
 class ConversationSandboxes:

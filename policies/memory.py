@@ -8,10 +8,16 @@
 - M7 `budget_banner`: the banner put above an over-budget file in the
   composed CLAUDE.md; the file on disk is never rewritten.
 - A2/T2 `archive_index`: whether the memory archive (kb.sqlite) is built and read.
+- M8 `secret_lines` and `secret_banner`: a memory file's lines that seem to
+  carry a secret are left out of the composed CLAUDE.md, with a banner saying
+  why (a sandbox can write its MEMORY.md with its shell, past
+  `task_memory_append`'s check); the file on disk is never rewritten.
 """
 
 from __future__ import annotations
 
+import re
+from dataclasses import dataclass
 from typing import Literal
 
 from policies.base import Decision, allow, deny
@@ -20,11 +26,14 @@ from policies.secrets import secret_in_text
 __all__ = [
     "DEFAULT_TARGET",
     "MemoryFile",
+    "SecretLine",
     "archive_index",
     "budget_banner",
     "memory_content",
     "memory_file_for",
     "memory_target",
+    "secret_banner",
+    "secret_lines",
 ]
 
 MemoryFile = Literal["MEMORY.md", "USER.md"]
@@ -130,3 +139,56 @@ def archive_index(agent_isolated: bool, archive_disabled: bool) -> Decision:
             "the memory archive is turned off (disableArchive); kb.sqlite is not built or read",
         )
     return allow("A1")
+
+
+@dataclass(frozen=True, slots=True)
+class SecretLine:
+    """A line (1-based) left out of the composed text, and the kind of secret it seems to hold."""
+
+    line: int
+    kind: str
+
+
+_PEM_BEGIN = re.compile(r"-----BEGIN [A-Z0-9 ]*PRIVATE KEY( BLOCK)?-----")
+_PEM_END = re.compile(r"-----END [A-Z0-9 ]*PRIVATE KEY( BLOCK)?-----")
+
+
+def secret_lines(text: str) -> tuple[str, tuple[SecretLine, ...]]:
+    """M8: `text` without the lines that seem to carry a secret, and which lines they were.
+
+    A private key's block is left out whole, from its BEGIN line to its END
+    line (or to the end of the text when it has none).
+    """
+    kept: list[str] = []
+    dropped: list[SecretLine] = []
+    in_key = False
+    for n, line in enumerate(text.splitlines(keepends=True), start=1):
+        if in_key:
+            dropped.append(SecretLine(n, "a private key"))
+            in_key = _PEM_END.search(line) is None
+            continue
+        begin = _PEM_BEGIN.search(line)
+        if begin is not None:
+            dropped.append(SecretLine(n, "a private key"))
+            in_key = _PEM_END.search(line, begin.end()) is None
+            continue
+        kind = secret_in_text(line)
+        if kind is not None:
+            dropped.append(SecretLine(n, kind))
+            continue
+        kept.append(line)
+    return "".join(kept), tuple(dropped)
+
+
+def secret_banner(name: str, dropped: tuple[SecretLine, ...]) -> str | None:
+    """M8: the banner above a memory file some of whose lines were left out, or None."""
+    if not dropped:
+        return None
+    kinds = sorted({d.kind for d in dropped})
+    lines = ", ".join(str(d.line) for d in dropped[:20]) + (", ..." if len(dropped) > 20 else "")
+    return (
+        f"🔒 {len(dropped)} line(s) of {name} (line {lines}) are not shown here: they seem to "
+        f"carry {' and '.join(kinds)}, and nothing secret may enter long-term memory (M8). "
+        "Remove the value from the file; keep a note without it instead (e.g. 'the key is "
+        "in the user's password manager')."
+    )

@@ -173,3 +173,23 @@ def own_dirs(chat_dir: Path, media_dir: Path, home_dir: Path, bridge_dir: Path) 
         bridge_dir,
         identity(bridge_dir),
     )
+
+
+def plan_shared_mounts(workspace: Path, home_dir: Path, bridge_root: Path) -> MountPlan:
+    """S6: the one app container of an agent without isolate mode.
+
+    The whole agent workspace read-write at `/workspace` (as the app container
+    of the seed has it: root MEMORY.md and USER.md, every chat's directory,
+    memory/, media/), one `~/.claude` for the agent, and the agent's bridge
+    directory (every conversation's socket below it) read-only. Everything is
+    shared between the agent's chats; nothing else of the host is mounted.
+    """
+    mounts = (
+        PlannedMount(str(workspace), str(WORKSPACE), False, *identity(workspace)),
+        PlannedMount(str(home_dir), str(HOME / ".claude"), False, *identity(home_dir)),
+        PlannedMount(str(bridge_root), str(BRIDGE), True, *identity(bridge_root)),
+    )
+    for m in mounts:
+        if m.kind is not EntryKind.DIR:
+            raise ValueError(f"{m.source} is not a real directory ({m.kind})")
+    return MountPlan(tuple(sorted(mounts, key=lambda m: m.target)))

@@ -112,6 +112,15 @@ def sandbox_name(app: str, conversation_digest: str, *, gateway: str) -> str:
     return f"{app}-agent-c-{mixed}"
 
 
+def shared_sandbox_name(app: str) -> str:
+    """`<app>-agent` (S6): the one container of an app agent without isolate mode.
+
+    The gateway id is on its label; a container of that name carrying another
+    gateway's id is never reused or removed (R1): the turn is refused instead.
+    """
+    return f"{app}-agent"
+
+
 def _numeric_user(user: str) -> tuple[int, int] | None:
     uid, _, gid = user.partition(":")
     if uid.isdigit() and (gid.isdigit() or not gid):

@@ -21,11 +21,13 @@ import abc
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import PurePosixPath
 from typing import Any, Literal
 
 from cellgate.models import ConversationKey, OutboundMessage
 from orchestrator.bridge.catalogue import ToolDef
 from sandbox.backends.base import SandboxBackend, SandboxHandle
+from sandbox.mountplan import BRIDGE, WORKSPACE
 
 __all__ = [
     "ExecDetail",
@@ -186,6 +188,11 @@ class SessionContext:
     sandbox: SandboxHandle
     env: Mapping[str, str]
     workdir: str
+    # Where the session sees its workspace, and how it calls a bridge tool: a
+    # container's `/workspace` and `/run/cellgate/cellgate-tool`, or a host
+    # agent's host paths (S6).
+    shown_workspace: PurePosixPath = WORKSPACE
+    bridge_argv: tuple[str, ...] = ("python3", str(BRIDGE / "cellgate-tool"))
 
 
 class Harness(abc.ABC):

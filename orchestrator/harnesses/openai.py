@@ -54,7 +54,7 @@ from orchestrator.harnesses.base import (
 )
 from orchestrator.harnesses.command import valid_session_id
 from sandbox.backends.base import ExecResult
-from sandbox.mountplan import BRIDGE, WORKSPACE
+from sandbox.mountplan import BRIDGE
 
 __all__ = [
     "BRIDGE_CLIENT",
@@ -115,8 +115,8 @@ def writable_roots(ctx: SessionContext) -> tuple[PurePosixPath, PurePosixPath]:
     """The chat and media directories of the session, as the sandbox sees them."""
     key = ctx.conversation
     return (
-        WORKSPACE / "chats" / key.dir_name,
-        WORKSPACE / "media" / key.media_dir_name(ctx.session_key),
+        ctx.shown_workspace / "chats" / key.dir_name,
+        ctx.shown_workspace / "media" / key.media_dir_name(ctx.session_key),
     )
 
 
@@ -464,7 +464,7 @@ class OpenAIHarness(Harness):
 
     async def _bridge_call(self, ctx: SessionContext, name: str, args: dict[str, Any]) -> str:
         data = json.dumps(args, ensure_ascii=False).encode("utf-8")
-        result = await self._exec(ctx, ["python3", BRIDGE_CLIENT, name, "-"], data)
+        result = await self._exec(ctx, [*ctx.bridge_argv, name, "-"], data)
         return _output(result)
 
 

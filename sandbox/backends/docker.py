@@ -43,6 +43,7 @@ from sandbox.backends.base import (
 from sandbox.mountplan import EntryKind, MountPlan, identity
 from sandbox.spec import (
     DEFAULT_UID,
+    LABEL_GATEWAY,
     LABEL_SPEC_HASH,
     SandboxSpec,
     host_config,
@@ -210,6 +211,9 @@ class DockerBackend(SandboxBackend):
         if attrs is None:
             return None
         labels = attrs["Config"].get("Labels") or {}
+        if labels.get(LABEL_GATEWAY, "") != spec.gateway:
+            # R1: a name this gateway did not make (e.g. another gateway's `<app>-agent`)
+            raise SandboxError(f"{spec.name} exists and belongs to another gateway; not touched")
         if labels.get(LABEL_SPEC_HASH) != want:
             logger.info("sandbox %s is stale; recreating it", spec.name)
             self._remove_sync(spec.name)

@@ -36,6 +36,20 @@ def socket_path() -> str:
     return os.environ.get("CELLGATE_BRIDGE") or DEFAULT_SOCKET
 
 
+def _connect(sock: socket.socket, where: str) -> None:
+    """Connect; a path past AF_UNIX's ~108 bytes (a host agent's deep state directory)
+    is reached through its directory's descriptor, `/proc/self/fd/<n>/<name>`."""
+    if len(os.fsencode(where)) < 100:
+        sock.connect(where)
+        return
+    directory, name = os.path.split(where)
+    fd = os.open(directory or ".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        sock.connect(f"/proc/self/fd/{fd}/{name}")
+    finally:
+        os.close(fd)
+
+
 def call(
     tool: str,
     args: dict[str, Any] | None = None,
@@ -54,7 +68,7 @@ def call(
     try:
         sock.settimeout(timeout)
         try:
-            sock.connect(where)
+            _connect(sock, where)
             sock.sendall(data)
             buf = b""
             while not buf.endswith(b"\n"):
