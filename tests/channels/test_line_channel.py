@@ -166,7 +166,10 @@ async def test_W4_a_fresh_reply_token_is_used_once_then_push(
     await ch.send(_reply("U1", "k-1", "first answer"))
     await ch.send(_reply("U1", "k-2", "second answer"))
     posted = line.messages("U1")
-    assert [(p.via, p.text) for p in posted] == [("reply", "first answer"), ("push", "second answer")]
+    assert [(p.via, p.text) for p in posted] == [
+        ("reply", "first answer"),
+        ("push", "second answer"),
+    ]
     assert posted[1].retry_key == retry_key("bot", "k-2", 0)
 
 

@@ -37,8 +37,8 @@ import socket
 import threading
 import time
 import uuid
-from dataclasses import dataclass, field
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
