@@ -214,7 +214,14 @@ def test_W4_an_expired_reply_token_falls_back_to_push_and_a_lost_push_posts_once
     assert posted.via == "push" and posted.retry_key
     refused = [c for c in world.line.calls_of("/v2/bot/message/reply") if c.status == 400]
     assert refused, "the expired token was tried and refused"
-    pushes = [c for c in world.line.calls_of("/v2/bot/message/push") if c.body["to"] == chat]
+
+    def pushes_of() -> list[Any]:
+        return [c for c in world.line.calls_of("/v2/bot/message/push") if c.body["to"] == chat]
+
+    wait_for(lambda: len(pushes_of()) >= 2, 30, "the retried push")
+    time.sleep(1.0)
+    pushes = pushes_of()
+    assert world.line.texts(chat) == ["late-answer\n[exit 0]"]
     assert [c.status for c in pushes] == [500, 409], "one post; the retry got LINE's 409"
     assert {c.headers["x-line-retry-key"] for c in pushes} == {posted.retry_key}
 
@@ -295,11 +302,12 @@ def test_P5_line_image_refuses_symlinks_dotdot_and_outside_files_publishes_a_rea
     world.say(
         world.line.user(chat), f'{TOOL} line_image \'{{"path": "pic.png", "caption": "a pic"}}\''
     )
-    result = _result_of(world.answers(chat, 2)[1])
+    texts = world.answers(chat, 3)  # the refusals, the caption, the tool's answer
+    assert texts[1] == "a pic", "the caption follows the picture"
+    result = _result_of(texts[2])
     [img] = [m for m in world.line.messages(chat) if m.message.get("type") == "image"]
     url = str(img.message["originalContentUrl"])
     assert url.startswith(f"{world.url}/v1/line/{AGENT}/images/{result['share_id']}/")
-    assert "a pic" in world.line.texts(chat)
     got = httpx.get(url)
     assert got.status_code == 200 and got.content == PNG
     share, expires, sig = url.rsplit("/", 3)[1:]
