@@ -22,11 +22,13 @@ body bytes under the channel secret):
         line.post_webhook(url, [event])                      # signed
         line.post_webhook(url, [event], signature=None)      # unsigned
         line.lose_push_answers(1)    # accept the next push, then fail its answer (500)
+        line.hold_push_answers(30)   # accept the next push, answer it 30 s later
         line.texts("U1")             # what the bot posted there
 """
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import hashlib
 import hmac
@@ -91,6 +93,8 @@ class LineStandin:
         self._tokens: dict[str, tuple[str, float]] = {}  # reply token -> (chat, issued)
         self._accepted: dict[str, str] = {}  # retry key -> request id
         self._lose_push = 0
+        self._hold_push: list[float] = []
+        self._closing = False
         self._limits: dict[str, int] = {}
         self.token_seconds = 60.0
         self._ids = itertools.count(1)
@@ -195,6 +199,11 @@ class LineStandin:
         """The next pushes are accepted (and posted), but their answer is a 500."""
         with self._lock:
             self._lose_push += times
+
+    def hold_push_answers(self, seconds: float, times: int = 1) -> None:
+        """The next pushes are accepted (and posted) at once, but answered `seconds` later."""
+        with self._lock:
+            self._hold_push.extend([seconds] * times)
 
     def rate_limit(self, path: str, times: int = 1) -> None:
         with self._lock:
@@ -312,6 +321,10 @@ class LineStandin:
             lose = self._lose_push > 0
             if lose:
                 self._lose_push -= 1
+            hold = self._hold_push.pop(0) if self._hold_push else 0.0
+        deadline = time.monotonic() + hold
+        while time.monotonic() < deadline and not self._closing:  # noqa: ASYNC110 - a thread sets it
+            await asyncio.sleep(0.05)
         if lose:
             return JSONResponse({"message": "Internal error"}, status_code=500)
         return JSONResponse({"sentMessages": [{"id": i} for i in ids]})
@@ -353,5 +366,6 @@ class LineStandin:
 
     def __exit__(self, *exc: object) -> None:
         assert self._server is not None and self._thread is not None
+        self._closing = True
         self._server.should_exit = True
         self._thread.join(10)
