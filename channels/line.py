@@ -120,6 +120,7 @@ class LineOptions:
     max_download_bytes: int = 20 * 1024 * 1024
     image_url_seconds: int = 86400
     reply_token_seconds: float = 50.0
+    notice_every: float = 60.0  # one "too many messages" notice per chat per this many seconds
 
 
 @dataclass(frozen=True, slots=True)
@@ -165,6 +166,7 @@ class LineChannel(Channel):
         self._api: AsyncMessagingApi | None = None
         self._on_message: InboundHandler | None = None
         self._tokens: OrderedDict[str, tuple[str, float]] = OrderedDict()
+        self._notices: OrderedDict[str, float] = OrderedDict()
         self._image_key = hmac.new(
             options.channel_secret.get_secret_value().encode(), _IMAGE_KEY_LABEL, hashlib.sha256
         ).digest()
@@ -237,9 +239,10 @@ class LineChannel(Channel):
         except StoreError:
             raise  # not stored: not acknowledged either, so LINE may send it again
         except CellgateError as exc:
-            # throttled or not taken: said once with the event's own reply token (free)
+            # throttled or not taken: said with the event's own reply token (free), once
+            # per chat per window (R4), never by push
             logger.info("line event for agent %s not taken: %s", self.agent, exc)
-            if token and exc.public:
+            if token and exc.public and self._notice_due(message.chat_id):
                 self._tokens.pop(message.chat_id, None)
                 with contextlib.suppress(ApiException, aiohttp.ClientError, TimeoutError):
                     await self._messaging().reply_message(
@@ -247,6 +250,17 @@ class LineChannel(Channel):
                             reply_token=token, messages=[TextMessage(text=f"⏳ {exc.public}")]
                         )
                     )
+
+    def _notice_due(self, chat_id: str) -> bool:
+        now = self._clock()
+        last = self._notices.get(chat_id)
+        if last is not None and now - last < self.options.notice_every:
+            return False
+        self._notices[chat_id] = now
+        self._notices.move_to_end(chat_id)
+        while len(self._notices) > _TOKENS_KEPT:
+            self._notices.popitem(last=False)
+        return True
 
     def _remember_token(self, chat_id: str, token: str) -> None:
         self._tokens[chat_id] = (token, self._clock())

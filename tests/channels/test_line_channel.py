@@ -14,9 +14,12 @@ from typing import Any
 import pytest
 from pydantic import SecretStr
 
+from cellgate.errors import ConfigError, Throttled
 from cellgate.models import InboundMessage, OutboundKind, OutboundMessage
 from channels.base import ChannelFailed
 from channels.line import LineChannel, LineOptions, retry_key, signature_of
+from orchestrator.channel_hub import build_channels
+from orchestrator.config import parse_config
 from orchestrator.store import Store
 from tests.fakes.line_standin import LineStandin, sign
 
@@ -319,3 +322,74 @@ def test_P5_image_urls_are_signed_per_share_and_expiry(line: LineStandin, store:
     assert not other.image_url_valid(share, int(expires), sig)
     with pytest.raises(ChannelFailed, match="publicUrl"):
         other.image_url(share)
+
+
+# -- R4: a flood is told once per window, by the event's own reply token -------------------
+
+
+class Throttling:
+    async def __call__(self, message: InboundMessage) -> None:
+        raise Throttled("R4", "chat rate")
+
+
+async def test_R4_a_throttled_chat_is_told_once_per_window_never_by_push(
+    line: LineStandin, store: Store
+) -> None:
+    ch = make_channel(line, store)
+    await ch.start(Throttling())
+    try:
+        for _ in range(3):
+            await _deliver(ch, line, [line.text_event(line.user("Uflood"), "spam")])
+    finally:
+        await ch.stop()
+    posted = line.messages("Uflood")
+    assert [p.via for p in posted] == ["reply"] and "too many" in posted[0].text
+    assert line.calls_of("/v2/bot/message/push") == []
+
+
+# -- W1: configuration ----------------------------------------------------------------
+
+
+def _config(tmp_path: Path, line_cfg: dict[str, object]) -> dict[str, object]:
+    return {
+        "gateway": {"stateDir": str(tmp_path / "state")},
+        "agents": [{"id": "bot", "channels": {"line": line_cfg}}],
+    }
+
+
+@pytest.mark.parametrize(
+    ("line_cfg", "why"),
+    [
+        ({"accessTokenEnv": "T"}, "channelSecretEnv"),
+        ({"channelSecretEnv": "S"}, "accessTokenEnv"),
+        ({"channelSecretEnv": "S", "channelSecretFile": "/x", "accessTokenEnv": "T"}, "exactly"),
+        ({"channelSecretEnv": "S", "accessTokenEnv": "T", "apiBaseUrl": "ftp://x"}, "apiBaseUrl"),
+        ({"channelSecretEnv": "S", "accessTokenEnv": "T", "channelSecret": "s"}, "channelSecret"),
+    ],
+)
+def test_W1_a_bad_line_entry_skips_the_agent_with_the_field(
+    tmp_path: Path, line_cfg: dict[str, object], why: str
+) -> None:
+    cfg = parse_config(_config(tmp_path, line_cfg), "cfg.json")
+    assert cfg.agents == ()
+    assert "channels.line" in cfg.skipped_agents[0] and why in cfg.skipped_agents[0]
+
+
+def test_W1_secret_and_token_from_env_or_file_defaults_are_lines_own(
+    tmp_path: Path, store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    token_file = tmp_path / "token"
+    token_file.write_text(TOKEN + "\n")
+    monkeypatch.setenv("LINE_TEST_SECRET", SECRET)
+    doc = _config(tmp_path, {"channelSecretEnv": "LINE_TEST_SECRET",
+                             "accessTokenFile": str(token_file)})  # fmt: skip
+    [(key, ch)] = build_channels(parse_config(doc, "cfg.json"), store).items()
+    assert key == ("bot", "line") and isinstance(ch, LineChannel)
+    assert ch.options.access_token.get_secret_value() == TOKEN
+    assert ch.options.channel_secret.get_secret_value() == SECRET
+    assert ch.options.api_base_url == "https://api.line.me"
+    assert ch.options.data_api_base_url == "https://api-data.line.me"
+    assert SECRET not in repr(ch) and TOKEN not in repr(ch)
+    monkeypatch.delenv("LINE_TEST_SECRET")
+    with pytest.raises(ConfigError, match=r"channels.line.channelSecretEnv"):
+        build_channels(parse_config(doc, "cfg.json"), store)
