@@ -34,6 +34,7 @@ from orchestrator.api.context import context
 from orchestrator.api.errors import ApiError
 from orchestrator.api.media_files import file_response, media_dir_of_session, open_stored
 from orchestrator.store import SessionState, ShareId
+from policies.line_images import ImageLinkFacts, image_link
 
 __all__ = ["MAX_WEBHOOK_BYTES", "router"]
 
@@ -113,20 +114,25 @@ def image(
 ) -> StreamingResponse:
     """A picture a LINE session published; the signed URL is the capability, and it expires."""
     channel = _channel(request, agent)
-    if channel is None or not channel.image_url_valid(share, expires, sig):
-        raise ApiError(404, "not_found", "no such image")
-    if time.time() > expires:
-        raise ApiError(410, "gone", "this image link has expired", "P5")
+    signed = channel is not None and channel.image_url_valid(share, expires, sig)
     ctx = context(request)
-    row = ctx.store.get_share(ShareId(share))
-    if row is None:
-        raise ApiError(404, "not_found", "no such image")
-    if not row.active:
-        raise ApiError(410, "gone", "this image has been revoked", "P6")
-    session = ctx.store.get_session(row.session_id)
-    if session is None or session.state != SessionState.LIVE:
-        raise ApiError(410, "gone", "the session that published this image has ended", "P5")
-    media = media_dir_of_session(ctx, session)
-    if media.conversation.agent != agent or media.conversation.channel != "line":
-        raise ApiError(404, "not_found", "no such image")
+    row = ctx.store.get_share(ShareId(share)) if signed else None
+    session = ctx.store.get_session(row.session_id) if row is not None else None
+    media = media_dir_of_session(ctx, session) if session is not None else None
+    decision = image_link(
+        ImageLinkFacts(
+            signed=signed,
+            now=time.time(),
+            expires=expires,
+            share_found=media is not None
+            and (media.conversation.agent, media.conversation.channel) == (agent, "line"),
+            share_revoked=row is not None and not row.active,
+            session_live=session is not None and session.state == SessionState.LIVE,
+        )
+    )
+    if not decision.allowed:
+        if decision.reason == "no such image":
+            raise ApiError(404, "not_found", decision.reason)
+        raise ApiError(410, "gone", decision.reason, decision.rule)
+    assert media is not None and row is not None
     return file_response(open_stored(media, row.path))

@@ -315,6 +315,17 @@ def test_P5_line_image_refuses_symlinks_dotdot_and_outside_files_publishes_a_rea
     assert httpx.get(f"{base}/{share}/{int(expires) + 9999}/{sig}").status_code == 404
     assert httpx.get(f"{base}/{share}/{expires}/{sig[:-2]}AA").status_code == 404
     assert world.line.texts(other) == ["other\n[exit 0]"], "nothing into another chat"
+    # the session may revoke its link (P6): LINE gets 410 from then on
+    world.say(world.line.user(chat), f'{TOOL} line_image \'{{"path": "pic.png"}}\'')
+    second = _result_of(world.answers(chat, 4)[3])
+    [_, img2] = [m for m in world.line.messages(chat) if m.message.get("type") == "image"]
+    url2 = str(img2.message["originalContentUrl"])
+    assert httpx.get(url2).status_code == 200
+    world.say(world.line.user(chat), f'{TOOL} revoke_share \'{{"share": "{second["share_id"]}"}}\'')
+    assert "revoked" in world.answers(chat, 5)[4]
+    gone = httpx.get(url2)
+    assert gone.status_code == 410 and gone.json()["error"]["rule"] == "P6"
+    assert httpx.get(url).status_code == 200, "the other link still works"
     # the link dies with the session: /reset ends it
     world.say(world.line.user(chat), "/reset")
     wait_for(lambda: httpx.get(url).status_code == 410, 30, "the image link revoked")
