@@ -27,9 +27,10 @@ from pydantic import SecretStr
 from cellgate.errors import ConfigError, StateConflict
 from cellgate.models import ConversationKey, InboundMessage, OutboundMessage
 from channels.base import Channel, ChannelFailed, ChatBlocked
+from channels.line import LineChannel, LineOptions
 from channels.telegram import RESET_TEXT, TYPING_EVERY, TelegramChannel, TelegramOptions
 from orchestrator.agents import Agents
-from orchestrator.config import GatewayConfig, TelegramSettings
+from orchestrator.config import GatewayConfig, LineSettings, TelegramSettings
 from orchestrator.intake import Intake
 from orchestrator.store import MessageId, MessageState, Store
 from orchestrator.transcripts import save_session_id
@@ -41,6 +42,7 @@ logger = logging.getLogger(__name__)
 
 ChannelKey = tuple[str, str]  # (agent, channel)
 _WAITING = (MessageState.ACCEPTED, MessageState.RUNNING)
+_DOWNLOAD_TOOLS = {"line": "line_download_content"}  # W6: LINE content by message id
 
 
 def _read_token(agent: str, cfg: TelegramSettings, source: str) -> SecretStr:
@@ -81,12 +83,57 @@ def webhook_secret(state_dir: Path, agent: str) -> SecretStr:
         return SecretStr(f.read().strip())
 
 
+def read_secret(source: str, field: str, env: str | None, file: Path | None) -> SecretStr:
+    """A credential from the gateway's environment variable `env` or the file `file` (W1)."""
+    if env is not None:
+        value = os.environ.get(env, "").strip()
+        if not value:
+            raise ConfigError(
+                source,
+                f"{field}Env",
+                f"the environment variable {env} is not set in the gateway's environment",
+            )
+        return SecretStr(value)
+    assert file is not None
+    try:
+        value = file.expanduser().read_text(encoding="utf-8").strip()
+    except OSError as exc:
+        raise ConfigError(source, f"{field}File", f"cannot read {file}: {exc.strerror}") from exc
+    if not value:
+        raise ConfigError(source, f"{field}File", f"{file} is empty")
+    return SecretStr(value)
+
+
+def _line_channel(agent: str, cfg: LineSettings, store: Store, source: str) -> LineChannel:
+    field = f"agents[{agent}].channels.line"
+    options = LineOptions(
+        agent=agent,
+        channel_secret=read_secret(
+            source, f"{field}.channelSecret", cfg.channel_secret_env, cfg.channel_secret_file
+        ),
+        access_token=read_secret(
+            source, f"{field}.accessToken", cfg.access_token_env, cfg.access_token_file
+        ),
+        api_base_url=cfg.api_base_url,
+        data_api_base_url=cfg.data_api_base_url,
+        public_url=cfg.public_url,
+        max_download_bytes=cfg.max_download_bytes,
+        image_url_seconds=cfg.image_url_seconds,
+        reply_token_seconds=cfg.reply_token_seconds,
+    )
+    return LineChannel(options, store)
+
+
 def build_channels(
     config: GatewayConfig, store: Store, source: str = "config"
 ) -> dict[ChannelKey, Channel]:
     channels: dict[ChannelKey, Channel] = {}
     state_dir = config.gateway.state_dir
     for agent in config.agents:
+        if agent.channels.line is not None:
+            channels[(agent.id, "line")] = _line_channel(
+                agent.id, agent.channels.line, store, source
+            )
         tg = agent.channels.telegram
         if tg is None:
             continue
@@ -114,10 +161,9 @@ def attachment_notes(message: InboundMessage) -> str:
     for a in message.attachments:
         name = f" name={a.name!r}" if a.name else ""
         size = f" size={a.size}" if a.size is not None else ""
-        lines.append(
-            f"# attachment: {a.kind} file_id={a.ref}{name}{size}"
-            f" (fetch it with {message.channel}_download_attachment)"
-        )
+        tool = _DOWNLOAD_TOOLS.get(message.channel, f"{message.channel}_download_attachment")
+        ref = "message_id" if message.channel == "line" else "file_id"
+        lines.append(f"# attachment: {a.kind} {ref}={a.ref}{name}{size} (fetch it with {tool})")
     return "\n".join(lines)
 
 

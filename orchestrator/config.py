@@ -230,8 +230,49 @@ class TelegramSettings(_Model):
         return self
 
 
+class LineSettings(_Model):
+    """A LINE official account for one agent (W1). The channel secret and the channel
+    access token are read from the gateway's environment (`...Env`) or a file
+    (`...File`), never from the config file, never logged."""
+
+    channel_secret_env: str | None = Field(
+        None, alias="channelSecretEnv", pattern=r"^[A-Za-z_][A-Za-z0-9_]*$"
+    )
+    channel_secret_file: Path | None = Field(None, alias="channelSecretFile")
+    access_token_env: str | None = Field(
+        None, alias="accessTokenEnv", pattern=r"^[A-Za-z_][A-Za-z0-9_]*$"
+    )
+    access_token_file: Path | None = Field(None, alias="accessTokenFile")
+    # the Messaging API and its content (data) API; default: LINE's own (or a stand-in)
+    api_base_url: str = Field(
+        "https://api.line.me", alias="apiBaseUrl", pattern=r"^https?://[^\s]+$"
+    )
+    data_api_base_url: str = Field(
+        "https://api-data.line.me", alias="dataApiBaseUrl", pattern=r"^https?://[^\s]+$"
+    )
+    # this gateway's public HTTPS base URL: LINE posts to <publicUrl>/v1/line/<agent>/webhook
+    # and fetches line_image pictures from <publicUrl>/v1/line/<agent>/images/...
+    public_url: str | None = Field(None, alias="publicUrl", pattern=r"^https?://[^\s]+$")
+    max_download_bytes: int = Field(
+        20 * 1024 * 1024, alias="maxDownloadBytes", ge=1, le=2 * 1024 * 1024 * 1024
+    )
+    image_url_seconds: int = Field(86400, alias="imageUrlSeconds", ge=60, le=30 * 86400)
+    reply_token_seconds: float = Field(50.0, alias="replyTokenSeconds", ge=0, le=600)
+
+    @model_validator(mode="after")
+    def _usable(self) -> LineSettings:
+        if (self.channel_secret_env is None) == (self.channel_secret_file is None):
+            raise ValueError("give the channel secret's `channelSecretEnv` or "
+                             "`channelSecretFile` (exactly one)")  # fmt: skip
+        if (self.access_token_env is None) == (self.access_token_file is None):
+            raise ValueError("give the channel access token's `accessTokenEnv` or "
+                             "`accessTokenFile` (exactly one)")  # fmt: skip
+        return self
+
+
 class ChannelSettings(_Model):
     telegram: TelegramSettings | None = None
+    line: LineSettings | None = None
 
 
 class AgentConfig(_Model):

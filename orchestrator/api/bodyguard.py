@@ -41,9 +41,12 @@ BODY_SECONDS = 30.0
 """How long a body may take to arrive, in all."""
 
 _BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
-SELF_AUTHENTICATED = re.compile(r"^/(?:v1/telegram/[^/]+/webhook|dashboard/log(?:in|out))$")
+SELF_AUTHENTICATED = re.compile(
+    r"^/(?:v1/(?:telegram|line)/[^/]+/webhook|dashboard/log(?:in|out))$"
+)
 """Routes that prove who calls them before they read a bounded body themselves: the
-Telegram webhook (its secret token header, W2) and the dashboard's sign-in form."""
+Telegram webhook (its secret token header, W2), the LINE webhook (its signature, W2)
+and the dashboard's sign-in form."""
 _AGENT_PATH = re.compile(r"^/v1/agents/([^/]+)(?:/|$)")
 _AGENT = re.compile(AGENT_ID_RE)
 
