@@ -208,3 +208,16 @@ def test_the_proxy_refuses_what_cellgate_does_not_call_o1(stack: Stack) -> None:
         "GET /v1.41/containers/x/archive?path=/",
         "GET /v1.41/containers/../images/json",
     }, status
+
+
+def test_doctor_runs_in_the_gateway_container_through_the_proxy_o1(stack: Stack) -> None:
+    out = stack.compose(
+        "exec", "-T", "gateway", "cellgate", "doctor", "--config", "/etc/cellgate/config.json",
+        "--json", timeout=180,
+    )  # fmt: skip
+    report = json.loads(out.stdout)
+    checks = {c["name"]: c for c in report["checks"]}
+    assert checks["engine"]["status"] == "ok", checks["engine"]
+    assert checks["runtime runc"]["status"] == "ok", checks["runtime runc"]
+    # no loop devices or mount rights in the Compose gateway: R2's quota cannot work (README)
+    assert "loop-mounted" not in checks["quota (R2)"]["detail"], checks["quota (R2)"]
