@@ -26,6 +26,7 @@ from typing import Any
 import httpx
 import pytest
 
+from orchestrator.config import write_config_document
 from sandbox.spec import LABEL_APP, LABEL_GATEWAY
 from tests.e2e.conftest import CONFIG_KEY, install_test_app, remove_app_containers
 from tests.support.run_id import RUN_ID
@@ -35,15 +36,27 @@ pytestmark = pytest.mark.docker
 
 REPO = Path(__file__).resolve().parents[2]
 CANARY_OPENAI = "sk-canaryCOMPOSEenv0123456789abcdef"
-# what the probe script asks the proxy, from inside the gateway container
+# What the probe asks the proxy from inside the gateway container: plain calls
+# (their status), then raw bytes on one connection each (all that came back).
 PROBE = """
-import http.client, json, sys
+import http.client, json, socket, sys
 out = {}
 for method, path in json.loads(sys.argv[1]):
     c = http.client.HTTPConnection("docker-api", 2375, timeout=10)
     c.request(method, path)
     out[method + " " + path] = c.getresponse().status
     c.close()
+for name, data in json.loads(sys.argv[2]).items():
+    s = socket.create_connection(("docker-api", 2375), timeout=5)
+    s.sendall(data.encode("latin-1"))
+    got = b""
+    try:
+        while chunk := s.recv(65536):
+            got += chunk
+    except socket.timeout:
+        got += b"<open>"
+    s.close()
+    out[name] = got.decode("latin-1")
 print(json.dumps(out))
 """
 
@@ -113,6 +126,11 @@ def stack(
     config_path = install_test_app(
         tmp_path_factory.mktemp(app), docker_client, base_image, app, {"quota": "off"}
     )
+    # The message goes to `sh -s` on stdin: a turn ends only when the exec's
+    # half-close passes through the proxy's tunnel (the harness's stdin path).
+    doc = json.loads(config_path.read_text())
+    doc["agents"][0]["harness"] = {"type": "command", "argv": ["sh", "-s"], "timeoutSeconds": 60}
+    write_config_document(config_path, doc)
     state = config_path.parent
     port = free_port()
     project = f"cellgate-o1-{RUN_ID}"
@@ -150,9 +168,11 @@ def stack(
 
 
 def test_a_turn_runs_through_the_compose_stack_o1(stack: Stack, docker_client: Any) -> None:
+    started = time.monotonic()
     r = stack.say("c1", "echo compose-$((6*7))")
     assert r.status_code == 200, r.text
     assert "compose-42" in r.json()["reply"]
+    assert time.monotonic() - started < 50  # stdin's end reached `sh -s`: no timeout
 
     # the sandbox is this run's, and its bind mounts are the host's state dir paths
     rows = docker_client.api.containers(
@@ -193,9 +213,23 @@ def test_the_proxy_refuses_what_cellgate_does_not_call_o1(stack: Stack) -> None:
         ("GET", "/v1.41/containers/x/archive?path=/"),
         ("GET", "/v1.41/containers/../images/json"),
     ]
+    body = '{"Tty": false, "Detach": false}'
+    images = "GET /v1.41/images/json HTTP/1.1\r\nHost: d\r\n\r\n"
+    raw = {
+        # one connection, one request: a second one sent behind an allowed call is dropped
+        "pipelined": "GET /_ping HTTP/1.1\r\nHost: d\r\n\r\n" + images,
+        # an exec start that asks to upgrade stays raw only if the engine answers 101:
+        # a refused one (no such exec) closes, and what was sent behind it never runs
+        "smuggled": (
+            f"POST /v1.41/exec/{'0' * 64}/start HTTP/1.1\r\nHost: d\r\n"
+            "Connection: Upgrade\r\nUpgrade: tcp\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n{body}{images}"
+        ),
+    }
     out = stack.compose(
-        "exec", "-T", "gateway", "python3", "-c", PROBE, json.dumps(calls), timeout=60
-    )
+        "exec", "-T", "gateway", "python3", "-c", PROBE, json.dumps(calls), json.dumps(raw),
+        timeout=60,
+    )  # fmt: skip
     assert out.returncode == 0, out.stderr
     status = json.loads(out.stdout.strip().splitlines()[-1])
     assert status["GET /_ping"] == 200
@@ -208,6 +242,10 @@ def test_the_proxy_refuses_what_cellgate_does_not_call_o1(stack: Stack) -> None:
         "GET /v1.41/containers/x/archive?path=/",
         "GET /v1.41/containers/../images/json",
     }, status
+    assert status["pipelined"].startswith("HTTP/1.1 200"), status["pipelined"]
+    assert status["pipelined"].count("HTTP/1.1") == 1, status["pipelined"]
+    assert "RepoTags" not in status["pipelined"] + status["smuggled"]
+    assert status["smuggled"] == "", status["smuggled"]
 
 
 def test_doctor_runs_in_the_gateway_container_through_the_proxy_o1(stack: Stack) -> None:
