@@ -21,7 +21,9 @@ def _state_default() -> Path:
     return Path(base) / "cellgate-demo"
 
 
-async def _serve(config_path: Path, port: int | None = None, banner: str | None = None) -> int:
+async def _serve(
+    config_path: Path, port: int | None = None, banner: str | None = None, host: str | None = None
+) -> int:
     import uvicorn
 
     from orchestrator.api import create_app
@@ -37,7 +39,7 @@ async def _serve(config_path: Path, port: int | None = None, banner: str | None 
     server = uvicorn.Server(
         uvicorn.Config(
             create_app(gateway),
-            host=listen.host,
+            host=listen.host if host is None else host,
             port=listen.port if port is None else port,
             log_level="warning",
             lifespan="off",
@@ -55,7 +57,7 @@ async def _serve(config_path: Path, port: int | None = None, banner: str | None 
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
-    return asyncio.run(_serve(Path(args.config), args.port))
+    return asyncio.run(_serve(Path(args.config), args.port, host=args.host))
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
@@ -168,6 +170,7 @@ def parser() -> argparse.ArgumentParser:
     s = sub.add_parser("serve", help="run the gateway")
     s.add_argument("--config", required=True, help="the gateway config file (JSON)")
     s.add_argument("--port", type=int, default=None, help="override gateway.listen.port")
+    s.add_argument("--host", default=None, help="override gateway.listen.host (in a container)")
     s.set_defaults(func=_cmd_serve)
 
     d = sub.add_parser("demo", help="run the demo app on loopback")

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Installs and starts what cellgate's sandboxes need on a fresh Debian machine:
 # the Docker engine (Debian's docker.io), gVisor (runsc, registered as the
-# "runsc" runtime with network off) and debootstrap for local base images.
+# "runsc" runtime with network off), debootstrap for local base images and
+# docker-compose for compose.yaml.
 # Idempotent: a second run only checks. Needs root for the install steps.
 set -euo pipefail
 
@@ -16,6 +17,8 @@ RUNSC_SUITE="${CELLGATE_RUNSC_SUITE:-trixie}"
 need_pkgs=()
 command -v dockerd >/dev/null 2>&1 || need_pkgs+=(docker.io)
 command -v debootstrap >/dev/null 2>&1 || need_pkgs+=(debootstrap)
+# compose.yaml (O1): Debian's docker-compose (bookworm has no compose plugin)
+command -v docker-compose >/dev/null 2>&1 || need_pkgs+=(docker-compose)
 if [ "${#need_pkgs[@]}" -gt 0 ]; then
   if [ "$(id -u)" != 0 ]; then
     log "missing ${need_pkgs[*]}; run this script as root (it uses apt-get)"; exit 1
