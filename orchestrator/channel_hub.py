@@ -27,9 +27,10 @@ from pydantic import SecretStr
 from cellgate.errors import ConfigError, StateConflict
 from cellgate.models import ConversationKey, InboundMessage, OutboundMessage
 from channels.base import Channel, ChannelFailed, ChatBlocked
+from channels.discord import DiscordChannel, DiscordOptions
 from channels.telegram import RESET_TEXT, TYPING_EVERY, TelegramChannel, TelegramOptions
 from orchestrator.agents import Agents
-from orchestrator.config import GatewayConfig, TelegramSettings
+from orchestrator.config import DiscordSettings, GatewayConfig, TelegramSettings
 from orchestrator.intake import Intake
 from orchestrator.store import MessageId, MessageState, Store
 from orchestrator.transcripts import save_session_id
@@ -43,8 +44,10 @@ ChannelKey = tuple[str, str]  # (agent, channel)
 _WAITING = (MessageState.ACCEPTED, MessageState.RUNNING)
 
 
-def _read_token(agent: str, cfg: TelegramSettings, source: str) -> SecretStr:
-    field = f"agents[{agent}].channels.telegram"
+def _read_token(
+    agent: str, cfg: TelegramSettings | DiscordSettings, source: str, channel: str = "telegram"
+) -> SecretStr:
+    field = f"agents[{agent}].channels.{channel}"
     if cfg.token_env is not None:
         value = os.environ.get(cfg.token_env, "").strip()
         if not value:
@@ -87,6 +90,19 @@ def build_channels(
     channels: dict[ChannelKey, Channel] = {}
     state_dir = config.gateway.state_dir
     for agent in config.agents:
+        dc = agent.channels.discord
+        if dc is not None:
+            channels[(agent.id, "discord")] = DiscordChannel(
+                DiscordOptions(
+                    agent=agent.id,
+                    token=_read_token(agent.id, dc, source, "discord"),
+                    api_base_url=dc.api_base_url,
+                    gateway_url=dc.gateway_url,
+                    require_mention=dc.require_mention,
+                    max_download_bytes=dc.max_download_bytes,
+                ),
+                store,
+            )
         tg = agent.channels.telegram
         if tg is None:
             continue
@@ -114,8 +130,9 @@ def attachment_notes(message: InboundMessage) -> str:
     for a in message.attachments:
         name = f" name={a.name!r}" if a.name else ""
         size = f" size={a.size}" if a.size is not None else ""
+        ref = "url" if message.channel == "discord" else "file_id"  # P4: a CDN URL
         lines.append(
-            f"# attachment: {a.kind} file_id={a.ref}{name}{size}"
+            f"# attachment: {a.kind} {ref}={a.ref}{name}{size}"
             f" (fetch it with {message.channel}_download_attachment)"
         )
     return "\n".join(lines)

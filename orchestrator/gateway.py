@@ -30,6 +30,7 @@ from channels.base import Channel
 from orchestrator.admission import MessageGate, SandboxGate, default_max_sandboxes
 from orchestrator.agents import AgentRuntime, Agents, build_harness
 from orchestrator.bridge import BridgeServer, BuiltinTools, StoreRefusals, ToolHandlers
+from orchestrator.bridge.discord_tools import DiscordTools
 from orchestrator.bridge.telegram_tools import TelegramTools
 from orchestrator.channel_hub import ChannelInbox, ChannelKey, build_channels
 from orchestrator.config import GatewayConfig
@@ -79,6 +80,7 @@ class Gateway:
         self.outbox = GatewayOutbox(self.channels)
         tools = BuiltinTools(self.outbox, self.store, settings.state_dir / "bridge-spool")
         handlers = tools.install(ToolHandlers(refusals=StoreRefusals(self.store)))
+        handlers = DiscordTools(tools, self.channels).install(handlers)
         self.bridge = BridgeServer(TelegramTools(tools, self.channels).install(handlers))
         self.runner = TurnRunner(
             settings, self.agents, self.store, backend, self.bridge, self.outbox, clock=clock
