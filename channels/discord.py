@@ -31,6 +31,7 @@ import contextlib
 import io
 import logging
 import time
+import warnings
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -38,7 +39,10 @@ from pathlib import Path
 from typing import Any, Literal, Protocol
 
 import aiohttp
-import discord
+
+with warnings.catch_warnings():  # discord.py's voice support imports audioop (3.13)
+    warnings.filterwarnings("ignore", "'audioop' is deprecated", DeprecationWarning)
+    import discord
 from discord.gateway import DiscordWebSocket
 from discord.http import HTTPClient, Route
 from pydantic import SecretStr
@@ -205,7 +209,11 @@ class DiscordChannel(Channel):
         self._on_message = on_message
         if self._runner is not None:
             return
-        logged_in = await self._login()
+        try:
+            logged_in = await self._login()
+        except ChannelFailed:
+            await self.client.close()
+            raise
         self._runner = asyncio.create_task(self._run(logged_in), name=f"discord-{self.agent}")
 
     async def _login(self) -> bool:

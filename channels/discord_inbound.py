@@ -17,8 +17,11 @@ Attachments are named by their CDN URL; the bytes are fetched only by
 from __future__ import annotations
 
 import re
+import warnings
 
-import discord
+with warnings.catch_warnings():  # discord.py's voice support imports audioop (3.13)
+    warnings.filterwarnings("ignore", "'audioop' is deprecated", DeprecationWarning)
+    import discord
 
 from cellgate.models import Attachment, InboundMessage
 
