@@ -44,8 +44,8 @@ class Inbox:
     async def __call__(self, message: InboundMessage) -> None:
         self.got.append(message)
 
-    async def wait(self, n: int, timeout: float = 10.0) -> list[InboundMessage]:
-        deadline = time.monotonic() + timeout
+    async def wait(self, n: int, within: float = 10.0) -> list[InboundMessage]:
+        deadline = time.monotonic() + within
         while len(self.got) < n:
             assert time.monotonic() < deadline, f"{n} messages did not arrive: {self.got}"
             await asyncio.sleep(0.02)
@@ -63,9 +63,7 @@ def options(dc: DiscordStandin, token: str = TOKEN, **kw: object) -> DiscordOpti
 
 
 @pytest.fixture
-async def channel(
-    dc: DiscordStandin, store: Store
-) -> AsyncIterator[tuple[DiscordChannel, Inbox]]:
+async def channel(dc: DiscordStandin, store: Store) -> AsyncIterator[tuple[DiscordChannel, Inbox]]:
     ch = DiscordChannel(options(dc), store)
     inbox = Inbox()
     await ch.start(inbox)
@@ -96,15 +94,17 @@ async def test_W1_identifies_with_the_intents_and_logs_in_with_the_token(
     ch, _ = channel
     assert ch.bot_id == BOT_ID
     intents = dc.identified_intents or 0
-    for bit, what in ((1 << 0, "guilds"), (1 << 9, "guild messages"),
-                      (1 << 12, "direct messages"), (1 << 15, "message content")):  # fmt: skip
+    for bit, what in (
+        (1 << 0, "guilds"),
+        (1 << 9, "guild messages"),
+        (1 << 12, "direct messages"),
+        (1 << 15, "message content"),
+    ):
         assert intents & bit, f"the {what} intent is asked for"
     assert "standin" not in repr(ch) and TOKEN not in repr(ch)
 
 
-async def test_W1_a_token_discord_refuses_stops_start_up(
-    dc: DiscordStandin, store: Store
-) -> None:
+async def test_W1_a_token_discord_refuses_stops_start_up(dc: DiscordStandin, store: Store) -> None:
     ch = DiscordChannel(options(dc, token="wrong.token.value"), store)
     with pytest.raises(ChannelFailed, match="refuses the bot token") as err:
         await ch.start(Inbox())
@@ -134,7 +134,7 @@ async def test_W5_a_dm_a_guild_channel_and_each_thread_are_their_own_chats(
 async def test_W5_the_bots_own_messages_and_empty_ones_are_not_answered(
     channel: tuple[DiscordChannel, Inbox], dc: DiscordStandin
 ) -> None:
-    ch, inbox = channel
+    _, inbox = channel
     general = dc.add_text_channel("general")
     await in_thread(dc.user_says, general, "from the bot itself", BOT_ID)
     await in_thread(dc.user_says, general, "")
@@ -170,9 +170,13 @@ async def test_W4_a_crash_between_parts_resumes_after_the_last_recorded_one(
     dc.rate_limit("/messages", 0.0)  # harmless: shows a 429 is retried, not dropped
     # part 0 went out and was recorded before the crash
     store.record_posted_part(
-        "reply:crash", 0, agent="bot", channel="discord", chat_id=str(chat),
+        "reply:crash",
+        0,
+        agent="bot",
+        channel="discord",
+        chat_id=str(chat),
         platform_message_id="1",
-    )  # fmt: skip
+    )
     await ch.send(reply(chat, "reply:crash", text))
     assert dc.texts(chat) == ["b" * 1999 + "\n", "c" * 10]
 
@@ -190,9 +194,7 @@ async def test_W4_a_429_is_waited_out_for_retry_after_and_posted_once(
     assert dc.texts(chat) == ["after the wait"]
 
 
-async def test_W4_a_long_429_is_waited_out_by_the_channel(
-    dc: DiscordStandin, store: Store
-) -> None:
+async def test_W4_a_long_429_is_waited_out_by_the_channel(dc: DiscordStandin, store: Store) -> None:
     slept: list[float] = []
 
     async def sleep(s: float) -> None:
@@ -217,7 +219,9 @@ async def test_P1_edit_only_the_bots_own_messages_and_react(
     chat = dc.add_text_channel("edits")
     sent = await ch.send(reply(chat, "k1", "first"))
     await ch.send(
-        reply(chat, "k2", "second", kind=OutboundKind.EDIT, target_message_id=sent.platform_message_id)
+        reply(
+            chat, "k2", "second", kind=OutboundKind.EDIT, target_message_id=sent.platform_message_id
+        )
     )
     await ch.send(
         reply(chat, "k3", "👍", kind=OutboundKind.REACT, target_message_id=sent.platform_message_id)
@@ -239,7 +243,7 @@ async def test_W3_a_resume_replays_what_was_missed_once(
     dc.drop_connection()  # the next event is not delivered on the old socket
     await in_thread(dc.user_says, chat, "sent while away")
     await in_thread(dc.force_reconnect)
-    got = await inbox.wait(1, timeout=20)
+    got = await inbox.wait(1, within=20)
     assert dc.resumes >= 1 and dc.identifies == 1, "resumed, not identified again"
     assert [m.text for m in got] == ["sent while away"]
 

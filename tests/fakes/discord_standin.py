@@ -68,8 +68,15 @@ def _json(data: Any, status: int = 200, headers: dict[str, str] | None = None) -
 
 
 def _user(uid: int, name: str, *, bot: bool = False) -> dict[str, Any]:
-    return {"id": str(uid), "username": name, "discriminator": "0", "global_name": name,
-            "avatar": None, "bot": bot, "public_flags": 0}  # fmt: skip
+    return {
+        "id": str(uid),
+        "username": name,
+        "discriminator": "0",
+        "global_name": name,
+        "avatar": None,
+        "bot": bot,
+        "public_flags": 0,
+    }
 
 
 @dataclass
@@ -242,18 +249,39 @@ class DiscordStandin:
 
     def _channel_payload(self, cid: int) -> dict[str, Any]:
         c = self.channels[cid]
-        base: dict[str, Any] = {"id": str(cid), "type": c["type"], "name": c["name"],
-                                "last_message_id": None, "rate_limit_per_user": 0, "flags": 0}  # fmt: skip
+        base: dict[str, Any] = {
+            "id": str(cid),
+            "type": c["type"],
+            "name": c["name"],
+            "last_message_id": None,
+            "rate_limit_per_user": 0,
+            "flags": 0,
+        }
         if c["type"] == 1:
             return {**base, "recipients": [_user(c["user"], f"user{c['user']}")]}
         base["guild_id"] = str(GUILD_ID)
         if c["type"] == 0:
-            return {**base, "position": 0, "permission_overwrites": [], "parent_id": None,
-                    "nsfw": False, "topic": None}  # fmt: skip
-        return {**base, "parent_id": str(c["parent"]), "owner_id": str(c["owner"]),
-                "message_count": 0, "member_count": 1,
-                "thread_metadata": {"archived": False, "auto_archive_duration": 1440,
-                                    "archive_timestamp": _now_iso(), "locked": False}}  # fmt: skip
+            return {
+                **base,
+                "position": 0,
+                "permission_overwrites": [],
+                "parent_id": None,
+                "nsfw": False,
+                "topic": None,
+            }
+        return {
+            **base,
+            "parent_id": str(c["parent"]),
+            "owner_id": str(c["owner"]),
+            "message_count": 0,
+            "member_count": 1,
+            "thread_metadata": {
+                "archived": False,
+                "auto_archive_duration": 1440,
+                "archive_timestamp": _now_iso(),
+                "locked": False,
+            },
+        }
 
     def add_text_channel(self, name: str) -> int:
         cid = self.new_id()
@@ -287,20 +315,41 @@ class DiscordStandin:
         c = self.channels[channel]
         content = text if (self.identified_intents or 0) & MESSAGE_CONTENT else ""
         data: dict[str, Any] = {
-            "id": str(mid), "channel_id": str(channel), "author": _user(user_id, f"user{user_id}"),
-            "content": content, "timestamp": _now_iso(), "edited_timestamp": None, "tts": False,
-            "mention_everyone": False, "mentions": [], "mention_roles": [], "embeds": [],
-            "pinned": False, "type": 0, "flags": 0,
+            "id": str(mid),
+            "channel_id": str(channel),
+            "author": _user(user_id, f"user{user_id}"),
+            "content": content,
+            "timestamp": _now_iso(),
+            "edited_timestamp": None,
+            "tts": False,
+            "mention_everyone": False,
+            "mentions": [],
+            "mention_roles": [],
+            "embeds": [],
+            "pinned": False,
+            "type": 0,
+            "flags": 0,
             "attachments": [
-                {"id": str(self.new_id()), "filename": url.rsplit("/", 1)[-1], "size": size,
-                 "url": url, "proxy_url": url, "content_type": "text/plain"}
+                {
+                    "id": str(self.new_id()),
+                    "filename": url.rsplit("/", 1)[-1],
+                    "size": size,
+                    "url": url,
+                    "proxy_url": url,
+                    "content_type": "text/plain",
+                }
                 for url, size in (attachments or [])
             ],
-        }  # fmt: skip
+        }
         if c["type"] != 1:
             data["guild_id"] = str(GUILD_ID)
-            data["member"] = {"roles": [], "joined_at": _now_iso(), "deaf": False,
-                              "mute": False, "flags": 0}  # fmt: skip
+            data["member"] = {
+                "roles": [],
+                "joined_at": _now_iso(),
+                "deaf": False,
+                "mute": False,
+                "flags": 0,
+            }
         self._run(lambda: self._dispatch("MESSAGE_CREATE", data))
         return mid
 
@@ -367,21 +416,49 @@ class DiscordStandin:
         await self._send(ev)
 
     def _guild(self) -> dict[str, Any]:
-        everyone = {"id": str(GUILD_ID), "name": "@everyone", "permissions": "2248473465835073",
-                    "position": 0, "color": 0, "hoist": False, "managed": False,
-                    "mentionable": False, "flags": 0}  # fmt: skip
+        everyone = {
+            "id": str(GUILD_ID),
+            "name": "@everyone",
+            "permissions": "2248473465835073",
+            "position": 0,
+            "color": 0,
+            "hoist": False,
+            "managed": False,
+            "mentionable": False,
+            "flags": 0,
+        }
         chans = [self._channel_payload(c) for c, v in self.channels.items() if v["type"] == 0]
         threads = [self._channel_payload(c) for c, v in self.channels.items() if v["type"] == 11]
         return {
-            "id": str(GUILD_ID), "name": "standin guild", "icon": None, "owner_id": str(OWNER_ID),
-            "afk_timeout": 300, "verification_level": 0, "default_message_notifications": 0,
-            "explicit_content_filter": 0, "roles": [everyone], "emojis": [], "stickers": [],
-            "features": [], "mfa_level": 0, "system_channel_flags": 0, "premium_tier": 0,
-            "preferred_locale": "en-US", "nsfw_level": 0, "member_count": 2, "large": False,
-            "channels": chans, "threads": threads, "members": [], "voice_states": [],
-            "presences": [], "stage_instances": [], "guild_scheduled_events": [],
-            "unavailable": False, "joined_at": _now_iso(),
-        }  # fmt: skip
+            "id": str(GUILD_ID),
+            "name": "standin guild",
+            "icon": None,
+            "owner_id": str(OWNER_ID),
+            "afk_timeout": 300,
+            "verification_level": 0,
+            "default_message_notifications": 0,
+            "explicit_content_filter": 0,
+            "roles": [everyone],
+            "emojis": [],
+            "stickers": [],
+            "features": [],
+            "mfa_level": 0,
+            "system_channel_flags": 0,
+            "premium_tier": 0,
+            "preferred_locale": "en-US",
+            "nsfw_level": 0,
+            "member_count": 2,
+            "large": False,
+            "channels": chans,
+            "threads": threads,
+            "members": [],
+            "voice_states": [],
+            "presences": [],
+            "stage_instances": [],
+            "guild_scheduled_events": [],
+            "unavailable": False,
+            "joined_at": _now_iso(),
+        }
 
     async def _gateway(self, request: web.Request) -> web.WebSocketResponse:
         ws = web.WebSocketResponse(autoping=True)
@@ -404,11 +481,16 @@ class DiscordStandin:
                 self._ws = ws
                 await self._dispatch(
                     "READY",
-                    {"v": 10, "user": _user(BOT_ID, "cellgate-bot", bot=True),
-                     "guilds": [{"id": str(GUILD_ID), "unavailable": True}],
-                     "session_id": self._session, "resume_gateway_url": self.gateway_url,
-                     "application": {"id": str(APP_ID), "flags": 0}, "private_channels": []},
-                )  # fmt: skip
+                    {
+                        "v": 10,
+                        "user": _user(BOT_ID, "cellgate-bot", bot=True),
+                        "guilds": [{"id": str(GUILD_ID), "unavailable": True}],
+                        "session_id": self._session,
+                        "resume_gateway_url": self.gateway_url,
+                        "application": {"id": str(APP_ID), "flags": 0},
+                        "private_channels": [],
+                    },
+                )
                 await self._dispatch("GUILD_CREATE", self._guild())
             elif op == 6:
                 if d.get("token") != self.token or d.get("session_id") != self._session:
@@ -427,10 +509,24 @@ class DiscordStandin:
     # -- REST -----------------------------------------------------------------------
 
     def _message(self, cid: int, mid: int, content: str, **extra: Any) -> dict[str, Any]:
-        data = {"id": str(mid), "channel_id": str(cid), "author": _user(BOT_ID, "cellgate-bot", bot=True),
-                "content": content, "timestamp": _now_iso(), "edited_timestamp": None,
-                "tts": False, "mention_everyone": False, "mentions": [], "mention_roles": [],
-                "attachments": [], "embeds": [], "pinned": False, "type": 0, "flags": 0, **extra}  # fmt: skip
+        data = {
+            "id": str(mid),
+            "channel_id": str(cid),
+            "author": _user(BOT_ID, "cellgate-bot", bot=True),
+            "content": content,
+            "timestamp": _now_iso(),
+            "edited_timestamp": None,
+            "tts": False,
+            "mention_everyone": False,
+            "mentions": [],
+            "mention_roles": [],
+            "attachments": [],
+            "embeds": [],
+            "pinned": False,
+            "type": 0,
+            "flags": 0,
+            **extra,
+        }
         if self.channels.get(cid, {}).get("type") != 1:
             data["guild_id"] = str(GUILD_ID)
         return data
@@ -470,10 +566,19 @@ class DiscordStandin:
             return _json(_user(BOT_ID, "cellgate-bot", bot=True))
         if method == "GET" and path == "/oauth2/applications/@me":
             return _json(
-                {"id": str(APP_ID), "name": "cellgate", "icon": None, "description": "",
-                 "rpc_origins": [], "bot_public": True, "bot_require_code_grant": False,
-                 "owner": _user(OWNER_ID, "owner"), "summary": "", "verify_key": "00",
-                 "flags": 0}  # fmt: skip
+                {
+                    "id": str(APP_ID),
+                    "name": "cellgate",
+                    "icon": None,
+                    "description": "",
+                    "rpc_origins": [],
+                    "bot_public": True,
+                    "bot_require_code_grant": False,
+                    "owner": _user(OWNER_ID, "owner"),
+                    "summary": "",
+                    "verify_key": "00",
+                    "flags": 0,
+                }
             )
         if parts[0] != "channels" or len(parts) < 3 or not parts[1].isdigit():
             return _json({"message": "404: Not Found", "code": 0}, status=404)
@@ -487,8 +592,9 @@ class DiscordStandin:
             ref = (body or {}).get("message_reference") or {}
             reply_to = int(ref["message_id"]) if ref.get("message_id") else None
             with self._lock:
-                self.posted.append(Posted(cid, mid, (body or {}).get("content") or "",
-                                          files, reply_to))  # fmt: skip
+                self.posted.append(
+                    Posted(cid, mid, (body or {}).get("content") or "", files, reply_to)
+                )
             return _json(self._message(cid, mid, (body or {}).get("content") or ""))
         if method == "POST" and parts[2:] == ["threads"]:
             tid = self.new_id()
