@@ -263,3 +263,36 @@ async def test_P2_create_thread_and_the_threads_parent_is_known(
     assert ch.parent_of(tid) == str(parent)
     await ch.send(reply(tid, "in-thread", "hello thread"))
     assert dc.texts(int(tid)) == ["hello thread"]
+
+
+async def test_W5_require_mention_answers_guild_messages_only_when_mentioned(
+    dc: DiscordStandin, store: Store
+) -> None:
+    ch = DiscordChannel(options(dc, require_mention=True), store)
+    inbox = Inbox()
+    await ch.start(inbox)
+    try:
+        async with asyncio.timeout(20):
+            await ch.wait_ready()
+        general = dc.add_text_channel("general")
+        dm = dc.add_dm(700000000000000005)
+        await in_thread(dc.user_says, general, "not for the bot")
+        await in_thread(dc.user_says, general, f"<@{BOT_ID}> echo hi")
+        await in_thread(dc.user_says, dm, "a dm needs no mention", 700000000000000005)
+        got = await inbox.wait(2)
+        await asyncio.sleep(0.3)
+        assert sorted(m.text for m in got) == ["a dm needs no mention", "echo hi"]
+    finally:
+        await ch.stop()
+
+
+async def test_W6_attachments_are_named_by_their_cdn_url_not_fetched(
+    channel: tuple[DiscordChannel, Inbox], dc: DiscordStandin
+) -> None:
+    _, inbox = channel
+    chat = dc.add_text_channel("files")
+    url = dc.add_cdn_file(b"abc", "a.txt")
+    await asyncio.to_thread(lambda: dc.user_says(chat, "see file", attachments=[(url, 3)]))
+    [msg] = await inbox.wait(1)
+    assert [(a.ref, a.name, a.size) for a in msg.attachments] == [(url, "a.txt", 3)]
+    assert dc.cdn_hits == [], "nothing is downloaded until a tool asks"

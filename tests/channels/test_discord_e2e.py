@@ -216,6 +216,41 @@ def test_P1_P2_a_session_posts_only_in_its_chat_and_threads_it_opened(world: Wor
         conversation=conversation_id(ConversationKey(AGENT, "discord", str(home)))
     )
     assert world.gw.store.own_threads(session.id) == frozenset({str(mine)})
+    # another chat's session may not post into the thread this session opened
+    world.say(
+        other,
+        f'{TOOL} discord_reply \'{{"text": "hijack", "chat_id": "{mine}"}}\'; echo other-done',
+    )
+    wait_for(lambda: any("other-done" in t for t in world.dc.texts(other)), 120, "other's reply")
+    assert "P1" in world.dc.texts(other)[-1]
+    assert world.dc.texts(mine) == ["into my thread"]
+
+
+def test_P1_react_and_edit_only_the_bots_own_messages_in_this_chat(world: World) -> None:
+    chat = world.dc.add_text_channel("edits")
+    user_msg = world.say(chat, "echo first")
+    world.answers(chat)
+    bot_msg = world.dc.messages(chat)[0].message_id
+    world.say(
+        chat,
+        f'{TOOL} discord_react \'{{"emoji": "👍", "message_id": "{user_msg}"}}\'; '
+        f'{TOOL} discord_edit \'{{"message_id": "{bot_msg}", "text": "edited by the bot"}}\'; '
+        f'{TOOL} discord_edit \'{{"message_id": "{user_msg}", "text": "not mine"}}\'; '
+        "echo edits-done",
+    )
+    wait_for(lambda: "edits-done" in world.dc.texts(chat)[-1], 120, "the turn's reply")
+    final = world.dc.texts(chat)[-1]
+    assert world.dc.messages(chat)[0].edits == ["edited by the bot"]
+    assert "not one this bot sent" in final
+    reacts = world.dc.calls_to("PUT", "/@me")
+    assert any(f"/messages/{user_msg}/reactions/" in c.path for c in reacts)
+
+
+def test_W4_typing_shows_while_a_discord_turn_runs(world: World) -> None:
+    chat = world.dc.add_text_channel("typing")
+    world.say(chat, "sleep 6; echo slept")
+    assert world.answers(chat)[0].startswith("slept")
+    assert len(world.dc.calls_to("POST", f"/channels/{chat}/typing")) >= 2
 
 
 def test_P4_only_discord_cdn_files_are_fetched(world: World) -> None:

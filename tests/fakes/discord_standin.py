@@ -332,7 +332,7 @@ class DiscordStandin:
             "attachments": [
                 {
                     "id": str(self.new_id()),
-                    "filename": url.rsplit("/", 1)[-1],
+                    "filename": url.split("?", 1)[0].rsplit("/", 1)[-1],
                     "size": size,
                     "url": url,
                     "proxy_url": url,
