@@ -12,12 +12,14 @@ are their own chats). The store is idempotent on the message id, so an event
 the gateway replays after a RESUME is answered once. Intents: guilds, guild
 messages, direct messages and message content (privileged: switch it on in
 the developer portal). `/help` is answered here, `/reset` goes to the gateway.
+The gateway has no redelivery: a message the store could not take is logged.
 
 Outbound (W4): text is split at 2000 characters on line boundaries; each part
 is posted once under `<outbound_key>` and its part number, recorded in the
 store right after Discord accepts it. A 429 is waited out for `retry_after`
 (by discord.py for short waits, here for long ones); a 403 into a DM that
-refuses the bot is recorded as a blocked chat, never retried.
+refuses the bot is recorded as a blocked chat, never retried. Nothing the bot
+posts can ping anyone (`AllowedMentions.none()`): a sandbox cannot @everyone.
 
 The API base URL and the gateway URL default to Discord's own; both can point
 at a stand-in (`apiBaseUrl`, `gatewayUrl`). The token stays in the client on
@@ -52,7 +54,7 @@ from cellgate.models import DeliveryReceipt, InboundMessage, OutboundKind, Outbo
 from channels.base import Channel, ChannelFailed, ChatBlocked, InboundHandler
 from channels.discord_cdn import CdnFetcher, Downloaded
 from channels.discord_inbound import normalize
-from channels.telegram import HELP_TEXT, UNAVAILABLE_TEXT, split_text
+from channels.telegram import UNAVAILABLE_TEXT, split_text
 
 __all__ = [
     "DISCORD_API_BASE",
@@ -73,6 +75,14 @@ LIBRARY_WAIT = 30.0  # discord.py sleeps out a 429 up to this itself; longer one
 SEND_ATTEMPTS = 5
 THREAD_ARCHIVE_MINUTES: Literal[1440] = 1440
 _NOTICE_MAX = 4096
+
+HELP_TEXT = (
+    "Hi! Every DM, channel and thread with this bot has its own private workspace; nothing "
+    "you send here is seen by any other chat.\n\n"
+    "Send a message (text or files) and I will answer here.\n"
+    "`!reset` (or `/reset`) starts a fresh session in this chat (your files stay).\n"
+    "`!help` shows this text."
+)
 
 
 class DiscordStore(Protocol):

@@ -224,6 +224,26 @@ def test_P1_P2_a_session_posts_only_in_its_chat_and_threads_it_opened(world: Wor
     wait_for(lambda: any("other-done" in t for t in world.dc.texts(other)), 120, "other's reply")
     assert "P1" in world.dc.texts(other)[-1]
     assert world.dc.texts(mine) == ["into my thread"]
+    # the store, not the socket's memory: forget what the socket learnt, still its own
+    home_conv = conversation_id(ConversationKey(AGENT, "discord", str(home)))
+    state = world.gw.bridge.state(home_conv)
+    assert state is not None and str(mine) in state.own_threads
+    state.own_threads.clear()
+    world.say(
+        home, f'{TOOL} discord_reply \'{{"text": "still mine", "chat_id": "{mine}"}}\'; echo again'
+    )
+    wait_for(lambda: "again" in world.dc.texts(home)[-1], 120, "the second turn")
+    assert world.dc.texts(mine) == ["into my thread", "still mine"]
+    # a reset starts a new session: it does not inherit the old one's threads
+    world.say(home, "!reset")
+    wait_for(lambda: "reset" in world.dc.texts(home)[-1].lower(), 60, "the reset")
+    world.say(
+        home,
+        f'{TOOL} discord_reply \'{{"text": "after reset", "chat_id": "{mine}"}}\'; echo reset-done',
+    )
+    wait_for(lambda: "reset-done" in world.dc.texts(home)[-1], 120, "the turn after the reset")
+    assert "P2" in world.dc.texts(home)[-1], "a thread under its channel, not its own any more"
+    assert world.dc.texts(mine) == ["into my thread", "still mine"]
 
 
 def test_P1_react_and_edit_only_the_bots_own_messages_in_this_chat(world: World) -> None:
