@@ -27,10 +27,11 @@ from pydantic import SecretStr
 from cellgate.errors import ConfigError, StateConflict
 from cellgate.models import ConversationKey, InboundMessage, OutboundMessage
 from channels.base import Channel, ChannelFailed, ChatBlocked
+from channels.discord import DiscordChannel, DiscordOptions
 from channels.line import LineChannel, LineOptions
 from channels.telegram import RESET_TEXT, TYPING_EVERY, TelegramChannel, TelegramOptions
 from orchestrator.agents import Agents
-from orchestrator.config import GatewayConfig, LineSettings, TelegramSettings
+from orchestrator.config import DiscordSettings, GatewayConfig, LineSettings, TelegramSettings
 from orchestrator.intake import Intake
 from orchestrator.store import MessageId, MessageState, Store
 from orchestrator.transcripts import save_session_id
@@ -43,10 +44,13 @@ logger = logging.getLogger(__name__)
 ChannelKey = tuple[str, str]  # (agent, channel)
 _WAITING = (MessageState.ACCEPTED, MessageState.RUNNING)
 _DOWNLOAD_TOOLS = {"line": "line_download_content"}  # W6: LINE content by message id
+_REF_NAMES = {"line": "message_id", "discord": "url"}  # P4: a Discord CDN URL
 
 
-def _read_token(agent: str, cfg: TelegramSettings, source: str) -> SecretStr:
-    field = f"agents[{agent}].channels.telegram"
+def _read_token(
+    agent: str, cfg: TelegramSettings | DiscordSettings, source: str, channel: str = "telegram"
+) -> SecretStr:
+    field = f"agents[{agent}].channels.{channel}"
     if cfg.token_env is not None:
         value = os.environ.get(cfg.token_env, "").strip()
         if not value:
@@ -134,6 +138,19 @@ def build_channels(
             channels[(agent.id, "line")] = _line_channel(
                 agent.id, agent.channels.line, store, source
             )
+        dc = agent.channels.discord
+        if dc is not None:
+            channels[(agent.id, "discord")] = DiscordChannel(
+                DiscordOptions(
+                    agent=agent.id,
+                    token=_read_token(agent.id, dc, source, "discord"),
+                    api_base_url=dc.api_base_url,
+                    gateway_url=dc.gateway_url,
+                    require_mention=dc.require_mention,
+                    max_download_bytes=dc.max_download_bytes,
+                ),
+                store,
+            )
         tg = agent.channels.telegram
         if tg is None:
             continue
@@ -162,7 +179,7 @@ def attachment_notes(message: InboundMessage) -> str:
         name = f" name={a.name!r}" if a.name else ""
         size = f" size={a.size}" if a.size is not None else ""
         tool = _DOWNLOAD_TOOLS.get(message.channel, f"{message.channel}_download_attachment")
-        ref = "message_id" if message.channel == "line" else "file_id"
+        ref = _REF_NAMES.get(message.channel, "file_id")
         lines.append(f"# attachment: {a.kind} {ref}={a.ref}{name}{size} (fetch it with {tool})")
     return "\n".join(lines)
 

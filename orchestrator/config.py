@@ -270,9 +270,36 @@ class LineSettings(_Model):
         return self
 
 
+class DiscordSettings(_Model):
+    """A Discord bot for one agent (W1): the gateway websocket and REST. The token is read
+    from the gateway's environment (`tokenEnv`) or a file (`tokenFile`), never logged."""
+
+    token_env: str | None = Field(None, alias="tokenEnv", pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")
+    token_file: Path | None = Field(None, alias="tokenFile")
+    # Discord's own by default; a stand-in (or a proxy) for tests and `cellgate serve`
+    api_base_url: str = Field(
+        "https://discord.com/api/v10", alias="apiBaseUrl", pattern=r"^https?://[^\s]+$"
+    )
+    gateway_url: str = Field(
+        "wss://gateway.discord.gg/", alias="gatewayUrl", pattern=r"^wss?://[^\s]+$"
+    )
+    # in guild channels answer only messages that mention the bot (DMs are always answered)
+    require_mention: StrictBool = Field(False, alias="requireMention")
+    max_download_bytes: int = Field(
+        25 * 1024 * 1024, alias="maxDownloadBytes", ge=1, le=512 * 1024 * 1024
+    )
+
+    @model_validator(mode="after")
+    def _usable(self) -> DiscordSettings:
+        if (self.token_env is None) == (self.token_file is None):
+            raise ValueError("give the bot token's `tokenEnv` or `tokenFile` (exactly one)")
+        return self
+
+
 class ChannelSettings(_Model):
     telegram: TelegramSettings | None = None
     line: LineSettings | None = None
+    discord: DiscordSettings | None = None
 
 
 class AgentConfig(_Model):

@@ -30,6 +30,7 @@ from channels.base import Channel
 from orchestrator.admission import MessageGate, SandboxGate, default_max_sandboxes
 from orchestrator.agents import AgentRuntime, Agents, build_harness
 from orchestrator.bridge import BridgeServer, BuiltinTools, StoreRefusals, ToolHandlers
+from orchestrator.bridge.discord_tools import DiscordTools
 from orchestrator.bridge.line_tools import LineTools
 from orchestrator.bridge.telegram_tools import TelegramTools
 from orchestrator.channel_hub import ChannelInbox, ChannelKey, build_channels
@@ -82,6 +83,7 @@ class Gateway:
         tools = BuiltinTools(self.outbox, self.store, settings.state_dir / "bridge-spool")
         handlers = tools.install(ToolHandlers(refusals=StoreRefusals(self.store)))
         handlers = LineTools(tools, self.channels).install(handlers)
+        handlers = DiscordTools(tools, self.channels).install(handlers)
         self.bridge = BridgeServer(TelegramTools(tools, self.channels).install(handlers))
         self.runner = TurnRunner(
             settings, self.agents, self.store, backend, self.bridge, self.outbox, clock=clock

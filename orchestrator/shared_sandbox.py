@@ -127,6 +127,9 @@ class SharedAppSandbox:
 
         return await asyncio.to_thread(prepare), paths
 
+    async def release(self, key: ConversationKey) -> None:
+        """Nothing to let go of: the one container holds no per-conversation quota mount."""
+
     async def ensure(self, key: ConversationKey, session_id: str) -> PreparedSandbox:
         spec, paths = await self.spec_for(key, session_id)
         await asyncio.to_thread(install_client, self.app.agent_root / "bridge")

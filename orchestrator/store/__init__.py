@@ -51,6 +51,7 @@ from orchestrator.store.models import (
     TurnId,
 )
 from orchestrator.store.resources import ATTACHMENT_LEDGER_SIZE
+from orchestrator.store.threads import ThreadsMixin
 
 __all__ = [
     "ATTACHMENT_LEDGER_SIZE",
@@ -84,7 +85,7 @@ __all__ = [
 ]
 
 
-class Store(ChannelsMixin, AdminMixin):
+class Store(ChannelsMixin, ThreadsMixin, AdminMixin):
     """Every table of the state database behind one object.
 
     The methods are grouped by table in `messages`, `sessions`, `resources`,

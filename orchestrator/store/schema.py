@@ -207,5 +207,21 @@ _V_API_KEYS = (
     """,
 )
 
-MIGRATIONS: tuple[tuple[str, ...], ...] = (_V1, _V_CHANNELS, _V_API_KEYS)
+# P2 (Discord): the threads a session opened itself with discord_create_thread; the
+# only threads besides its own chat it may post into. Kept per session, so a reset
+# (a new session) does not inherit them.
+_V_DISCORD_THREADS = (
+    """
+    CREATE TABLE own_threads (
+        session_id      TEXT NOT NULL,
+        thread_id       TEXT NOT NULL,
+        conversation_id TEXT NOT NULL,
+        parent_chat_id  TEXT NOT NULL,
+        created_at      REAL NOT NULL,
+        PRIMARY KEY (session_id, thread_id)
+    ) STRICT
+    """,
+)
+
+MIGRATIONS: tuple[tuple[str, ...], ...] = (_V1, _V_CHANNELS, _V_API_KEYS, _V_DISCORD_THREADS)
 SCHEMA_VERSION = len(MIGRATIONS)
