@@ -15,7 +15,7 @@ from typing import Literal
 
 from policies.base import Decision, allow, deny
 
-__all__ = ["TOP_LEVEL", "ArchiveLimits", "MemberFacts", "member_allowed"]
+__all__ = ["TOP_LEVEL", "ArchiveLimits", "Kind", "MemberFacts", "member_allowed"]
 
 RULE = "restore"  # hostile input (no SPEC id of its own)
 TOP_LEVEL = ("cellgate-backup.json", "app", "workspace", "store")
