@@ -17,19 +17,22 @@ from orchestrator.apps import InstalledApp, load_manifest, write_record
 from orchestrator.config import write_config_document
 
 
-def _installed(state: Path, name: str, agent: dict[str, Any], *, state_word: str = "running") -> None:
+def _installed(
+    state: Path, name: str, agent: dict[str, Any], *, state_word: str = "running"
+) -> None:
     """An app record as install writes it, for an app whose image is a reference."""
     src = state.parent / f"src-{name}"
     (src / "agent").mkdir(parents=True)
-    doc = {"name": name, "version": "1",
-           "services": {"agent": {"path": "./agent", "name": f"{name}-bot", "image": "x:1", **agent}}}  # fmt: skip
+    svc = {"path": "./agent", "name": f"{name}-bot", "image": "x:1", **agent}
+    doc = {"name": name, "version": "1", "services": {"agent": svc}}
     (src / "app.yaml").write_text(yaml.safe_dump(doc))
     manifest = load_manifest(src)
-    svc = manifest.services.agent
-    root = state / "agents" / svc.name
-    app = InstalledApp(name=name, version="1", agent=svc.name, image="x:1", image_id="sha256:0",
-                       user=None, environment={}, networks=(), isolate_memory=svc.isolate_memory,
-                       disable_archive=svc.disable_archive, workspace=root / "workspace",
+    declared = manifest.services.agent
+    root = state / "agents" / declared.name
+    app = InstalledApp(name=name, version="1", agent=declared.name, image="x:1",
+                       image_id="sha256:0", user=None, environment={}, networks=(),
+                       isolate_memory=declared.isolate_memory,
+                       disable_archive=declared.disable_archive, workspace=root / "workspace",
                        agent_root=root, state=state_word)  # fmt: skip
     write_record(state / "apps" / name, app, manifest)
 

@@ -9,7 +9,9 @@ from policies.archive import ArchiveLimits, Kind, MemberFacts, member_allowed
 SMALL = ArchiveLimits(max_members=10, max_member_bytes=100, max_total_bytes=150, max_depth=6)
 
 
-def facts(name: str, kind: Kind = "file", size: int = 1, index: int = 0, before: int = 0) -> MemberFacts:
+def facts(
+    name: str, kind: Kind = "file", size: int = 1, index: int = 0, before: int = 0
+) -> MemberFacts:
     return MemberFacts(name, kind, size, index, before)
 
 
