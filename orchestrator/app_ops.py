@@ -138,7 +138,7 @@ def remove_app_sandboxes(
     conversation has a turn running is left: the running gateway removes it
     when it restarts the agent after that turn (L5).
     """
-    import docker.errors
+    from docker import errors as docker_errors
 
     gateway = load_gateway_id(state_dir)
     labels = [f"{LABEL_MANAGED}=1", f"{LABEL_GATEWAY}={gateway}", f"{LABEL_APP}={app}"]
@@ -152,9 +152,9 @@ def remove_app_sandboxes(
         progress(f"removing sandbox {name}")
         try:
             docker.api.remove_container(row["Id"], force=True, v=True)
-        except docker.errors.NotFound:
+        except docker_errors.NotFound:
             continue
-        except docker.errors.APIError as exc:
+        except docker_errors.APIError as exc:
             raise AppError(app, f"cannot remove sandbox {name}: {exc.explanation}") from exc
         removed.append(name)
     _forget_sandboxes(state_dir, removed)
@@ -174,15 +174,15 @@ def _forget_sandboxes(state_dir: Path, names: Sequence[str]) -> None:
 
 def remove_image_tag(docker: Any, ref: str, progress: Progress = _quiet) -> bool:
     """Remove a tag cellgate built (`cellgate-app-*`); a referenced image is never removed."""
-    import docker.errors
+    from docker import errors as docker_errors
 
     if not ref.startswith(BUILT_PREFIX):
         return False
     try:
         docker.api.remove_image(ref, noprune=False)
-    except docker.errors.ImageNotFound:
+    except docker_errors.ImageNotFound:
         return False
-    except docker.errors.APIError as exc:
+    except docker_errors.APIError as exc:
         logger.warning("image %s not removed: %s", ref, exc.explanation)
         return False
     progress(f"removed image tag {ref}")

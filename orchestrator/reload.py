@@ -195,8 +195,14 @@ class Reloader:
     # -- restarting ---------------------------------------------------------------------
 
     async def busy(self, agent_id: str, holding: ConversationId | None = None) -> int:
+        """How many of the agent's conversations (other than `holding`) run a turn now."""
         convs = await asyncio.to_thread(self.store.conversations, agent_id)
         return sum(1 for c in convs if c.id != holding and self.loop.conversation_busy(c.id))
+
+    def busy_now(self, agent_id: str) -> int:
+        """`busy`, synchronously (for a status read from another thread)."""
+        convs = self.store.conversations(agent_id)
+        return sum(1 for c in convs if self.loop.conversation_busy(c.id))
 
     def pending_isolated(self, agent_id: str) -> bool:
         p = self.pending.get(agent_id)
