@@ -268,10 +268,10 @@ def update_app(
     write_record(record_dir, new, manifest, operator_env=_operator_env(state_dir, old.name))
     write_agent_entry(config_path, agent_entry(manifest))
     _log_modes(new.agent, old, new)
-    if old.image != ref:
-        remove_image_tag(docker, old.image, progress)
     if remove_sandboxes:
         remove_app_sandboxes(docker, state_dir, new.name, new.agent, progress)
+        if old.image != ref:
+            remove_image_tag(docker, old.image, progress)
     logger.info("updated app %s %s -> %s (image %s)", new.name, old.version, new.version, ref)
     return old, new
 

@@ -159,11 +159,13 @@ async def update(name: AppName, body: DirIn, who: CallerKey, ctx: Ctx) -> dict[s
         raise ApiError(409, "app_error", f"{body.path} holds app {manifest.name!r}, not {name!r}")
     client = await _run(docker_client)
     try:
-        _, app = await _run(app_ops.update_app, source, _config_path(ctx), _state(ctx), client,
-                            steps, _build_args(ctx), remove_sandboxes=False)  # fmt: skip
+        old, app = await _run(app_ops.update_app, source, _config_path(ctx), _state(ctx), client,
+                              steps, _build_args(ctx), remove_sandboxes=False)  # fmt: skip
+        waiting = await ctx.gateway.reloader.reload()
+        if old.image != app.image and app.agent not in waiting:  # its sandboxes are gone now
+            await _run(app_ops.remove_image_tag, client, old.image, steps)
     finally:
         client.close()
-    waiting = await ctx.gateway.reloader.reload()
     return _done(app, steps, restartPending=app.agent in waiting)
 
 

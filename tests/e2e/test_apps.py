@@ -43,6 +43,7 @@ MODE = (
     f'if grep -q {ROOT_NOTES} "$HOME/.claude/CLAUDE.md"; then echo MODE=shared; '
     "else echo MODE=isolated; fi"
 )
+REMEMBER = "cd /workspace/chats/*/ && echo fact-42 >> MEMORY.md && cd /workspace"
 SHOW = 'cat /etc/app-release; cat "$HOME/.claude/CLAUDE.md"; cat /workspace/chats/*/MEMORY.md'
 
 
@@ -136,12 +137,12 @@ def entry(config: Path, agent: str) -> dict[str, Any] | None:
     return next((a for a in agents if a["id"] == agent), None)
 
 
-def image_present(docker: Any, ref: str) -> bool:
-    import docker.errors
+def image_present(client: Any, ref: str) -> bool:
+    from docker import errors
 
     try:
-        docker.images.get(ref)
-    except docker.errors.ImageNotFound:
+        client.images.get(ref)
+    except errors.ImageNotFound:
         return False
     return True
 
@@ -169,7 +170,7 @@ def test_S5_L3_L4_app_life_over_the_cli(
                 "--config", str(config)]) == 0  # fmt: skip
     with served_gateway(config, DockerBackend.from_env, background=True) as (url, gw):
         c = Client(url, agent)
-        first = c.run("alice", f"echo fact-42 >> /workspace/chats/*/MEMORY.md; {SHOW}")
+        first = c.run("alice", f"{REMEMBER}; {SHOW}")
         assert "release-1" in first and "PERSONA-ONE" in first
         before = sandboxes(docker_client, app)
         assert before
@@ -253,7 +254,7 @@ def test_S5_L4_app_life_over_the_admin_api(
         }  # fmt: skip
         installed = c.api("/install", {"path": str(v1)})
         assert installed["steps"] and installed["isolateMemory"] is True
-        first = c.run("alice", f"echo fact-42 >> /workspace/chats/*/MEMORY.md; {SHOW}")
+        first = c.run("alice", f"{REMEMBER}; {SHOW}")
         assert "PERSONA-ONE" in first
         before = sandboxes(docker_client, app)
 
