@@ -80,6 +80,8 @@ def load_runtime(
         rt.sandboxes = ConversationSandboxes(app, settings, backend, gateway_id=gateway_id)
     else:  # S6: every conversation in the app's one container
         rt.sandboxes = SharedAppSandbox(app, settings, backend, gateway_id=gateway_id)
+    if not app.running:
+        rt.unavailable = f"its app {app.name} is stopped; `cellgate apps start {app.name}`"
     return rt
 
 
@@ -107,6 +109,13 @@ class Agents(Mapping[str, AgentRuntime]):
 
     def __len__(self) -> int:
         return len(self._runtimes)
+
+    def put(self, agent_id: str, rt: AgentRuntime) -> None:
+        """Add or replace an agent's runtime (L5: a restart after a config change)."""
+        self._runtimes[agent_id] = rt
+
+    def drop(self, agent_id: str) -> None:
+        self._runtimes.pop(agent_id, None)
 
     def require(self, agent_id: str) -> AgentRuntime:
         rt = self._runtimes.get(agent_id)

@@ -114,6 +114,12 @@ class InstalledApp:
     disable_archive: bool
     workspace: Path
     agent_root: Path
+    state: str = "running"  # "running" or "stopped" (`cellgate apps stop`)
+    record_dir: Path | None = None
+
+    @property
+    def running(self) -> bool:
+        return self.state == "running"
 
     @staticmethod
     def load(state_dir: Path, name: str) -> InstalledApp:
@@ -138,6 +144,8 @@ class InstalledApp:
             disable_archive=bool(doc["disable_archive"]),
             workspace=agent_root / "workspace",
             agent_root=agent_root,
+            state=str(doc.get("state", "running")),
+            record_dir=record.parent,
         )
 
 
@@ -153,8 +161,57 @@ def _record(app: InstalledApp, manifest: AppManifest) -> dict[str, Any]:
         "networks": list(app.networks),
         "isolate_memory": app.isolate_memory,
         "disable_archive": app.disable_archive,
+        "state": app.state,
         "manifest": manifest.model_dump(mode="json"),
     }
+
+
+def read_record(state_dir: Path, name: str) -> dict[str, Any]:
+    """The raw `apps/<name>/app.json` of an installed app."""
+    path = state_dir / "apps" / name / "app.json"
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError as exc:
+        raise AppError(name, f"not installed (no {path}); run `cellgate apps install`") from exc
+    except (OSError, ValueError) as exc:
+        raise AppError(name, f"its record {path} is unreadable: {exc}") from exc
+    if not isinstance(doc, dict):
+        raise AppError(name, f"its record {path} is not a JSON object")
+    return doc
+
+
+def write_record(
+    record_dir: Path,
+    app: InstalledApp,
+    manifest: AppManifest,
+    *,
+    operator_env: Mapping[str, str] | None = None,
+) -> None:
+    """Write `app.json` atomically (a crash leaves the old or the new record).
+
+    `operator_env` is what `apps reconfigure` set; it outlives updates."""
+    record_dir.mkdir(parents=True, exist_ok=True)
+    doc = {**_record(app, manifest), "operator_environment": dict(operator_env or {})}
+    tmp = record_dir / ".app.json.tmp"
+    tmp.write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")
+    tmp.replace(record_dir / "app.json")
+
+
+def installed_manifest(state_dir: Path, name: str) -> AppManifest:
+    """The manifest of the installed release, as recorded at install or update."""
+    doc = read_record(state_dir, name)
+    try:
+        return AppManifest.model_validate(doc["manifest"])
+    except (KeyError, ValidationError) as exc:
+        raise AppError(name, "its record holds no valid manifest; update the app") from exc
+
+
+def installed_apps(state_dir: Path) -> list[str]:
+    """The names of the apps installed in this state directory."""
+    root = state_dir / "apps"
+    if not root.is_dir():
+        return []
+    return sorted(p.name for p in root.iterdir() if (p / "app.json").is_file())
 
 
 def agent_entry(manifest: AppManifest) -> dict[str, Any]:
@@ -191,6 +248,50 @@ def write_agent_entry(config_path: Path, entry: dict[str, Any]) -> None:
     write_config_document(config_path, doc)
 
 
+def save_release(app_dir: Path, record_dir: Path) -> None:
+    """Keep the release's source (app.yaml, template, build context) beside the record,
+    so a backup carries what restore needs to rebuild the image on another machine."""
+    record_dir.mkdir(parents=True, exist_ok=True)
+    shutil.copy2(app_dir / "app.yaml", record_dir / "app.yaml")
+    staged = record_dir / ".release.new"
+    shutil.rmtree(staged, ignore_errors=True)
+    shutil.copytree(app_dir, staged, symlinks=True)
+    old = record_dir / "release"
+    if old.exists():
+        shutil.rmtree(old)
+    staged.rename(old)
+
+
+def build_or_check_image(
+    app_dir: Path,
+    manifest: AppManifest,
+    docker: Any,
+    progress: Progress,
+    build_args: Mapping[str, str] | None = None,
+) -> tuple[str, str]:
+    """The release's image reference and id: built from its context, or checked present."""
+    svc = manifest.services.agent
+    if svc.build is not None:
+        tag = f"cellgate-app-{manifest.name}:{manifest.version}"
+        progress(f"building image {tag} for app {manifest.name}")
+        context = _inside(app_dir, svc.build.context, "services.agent.build.context", "app.yaml")
+        args = {**svc.build.args, **(build_args or {})}
+        return tag, build_image(docker, context, svc.build.dockerfile, tag, args, progress)
+    assert svc.image is not None
+    progress(f"checking image {svc.image}")
+    return svc.image, image_id(docker, svc.image)
+
+
+def template_dir(app_dir: Path, manifest: AppManifest) -> Path:
+    svc = manifest.services.agent
+    template = _inside(app_dir, svc.path, "services.agent.path", str(app_dir / "app.yaml"))
+    if not template.is_dir():
+        raise ConfigError(
+            str(app_dir / "app.yaml"), "services.agent.path", f"{template} is not a directory"
+        )
+    return template
+
+
 def install_app(
     app_dir: Path,
     config_path: Path,
@@ -210,22 +311,8 @@ def install_app(
     workspace = agent_root / "workspace"
     if workspace.exists():
         raise AppError(manifest.name, f"agent workspace {workspace} already exists")
-    template = _inside(app_dir, svc.path, "services.agent.path", str(app_dir / "app.yaml"))
-    if not template.is_dir():
-        raise ConfigError(
-            str(app_dir / "app.yaml"), "services.agent.path", f"{template} is not a directory"
-        )
-
-    if svc.build is not None:
-        tag = f"cellgate-app-{manifest.name}:{manifest.version}"
-        progress(f"building image {tag} for app {manifest.name}")
-        context = _inside(app_dir, svc.build.context, "services.agent.build.context", "app.yaml")
-        args = {**svc.build.args, **(build_args or {})}
-        ref, iid = tag, build_image(docker, context, svc.build.dockerfile, tag, args, progress)
-    else:
-        assert svc.image is not None
-        progress(f"checking image {svc.image}")
-        ref, iid = svc.image, image_id(docker, svc.image)
+    template = template_dir(app_dir, manifest)
+    ref, iid = build_or_check_image(app_dir, manifest, docker, progress, build_args)
 
     agent_root.mkdir(parents=True, exist_ok=True)
     shutil.copytree(template, workspace, symlinks=True)
@@ -242,12 +329,10 @@ def install_app(
         disable_archive=svc.disable_archive,
         workspace=workspace,
         agent_root=agent_root,
+        record_dir=record_dir,
     )
-    record_dir.mkdir(parents=True, exist_ok=True)
-    shutil.copy2(app_dir / "app.yaml", record_dir / "app.yaml")
-    tmp = record_dir / ".app.json.tmp"
-    tmp.write_text(json.dumps(_record(app, manifest), indent=2) + "\n", encoding="utf-8")
-    tmp.replace(record_dir / "app.json")
+    save_release(app_dir, record_dir)
+    write_record(record_dir, app, manifest)
     write_agent_entry(config_path, agent_entry(manifest))
     logger.info("installed app %s (agent %s, image %s)", app.name, app.agent, ref)
     return app

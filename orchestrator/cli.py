@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
 import os
 import sys
@@ -27,14 +28,14 @@ async def _serve(
     import uvicorn
 
     from orchestrator.api import create_app
-    from orchestrator.config import load_config
+    from orchestrator.app_modes import prepare_config
     from orchestrator.gateway import Gateway
     from sandbox.backends.docker import DockerBackend
 
-    cfg = load_config(config_path)
+    cfg = prepare_config(config_path)  # L3: app declarations written first
     for reason in cfg.skipped_agents:
         print(f"warning: {reason}", file=sys.stderr)
-    gateway = Gateway(cfg, DockerBackend.from_env())
+    gateway = Gateway(cfg, DockerBackend.from_env(), config_path=config_path)
     listen = cfg.gateway.listen
     server = uvicorn.Server(
         uvicorn.Config(
@@ -97,6 +98,139 @@ def _cmd_apps_install(args: argparse.Namespace) -> int:
         client.close()
     mode = "isolated (one sandbox per conversation)" if app.isolate_memory else "shared container"
     print(f"installed app {app.name} {app.version}: agent {app.agent}, {mode}, image {app.image}")
+    return 0
+
+
+def _progress(line: str) -> None:
+    print(f"  {line}", file=sys.stderr, flush=True)
+
+
+def _apps_env(args: argparse.Namespace) -> tuple[Path, Path, dict[str, str] | None]:
+    from orchestrator.config import load_config
+
+    config_path = Path(args.config)
+    cfg = load_config(config_path)
+    base = cfg.gateway.base_image
+    return config_path, cfg.gateway.state_dir, {"BASE_IMAGE": base} if base else None
+
+
+def _cmd_apps_list(args: argparse.Namespace) -> int:
+    from orchestrator.app_ops import list_apps
+
+    _, state, _ = _apps_env(args)
+    apps = list_apps(state)
+    if args.json:
+        print(json.dumps(apps, indent=2))
+        return 0
+    print(f"{'NAME':20} {'VERSION':10} {'AGENT':22} {'STATE':9} {'ISOLATED':9} IMAGE")
+    for a in apps:
+        print(f"{a['name']:20} {a.get('version', '-'):10} {a.get('agent', '-'):22} "
+              f"{a['state']:9} {str(a.get('isolateMemory', '-')).lower():9} "
+              f"{a.get('image', a.get('error', ''))}")  # fmt: skip
+    return 0
+
+
+def _cmd_apps_inspect(args: argparse.Namespace) -> int:
+    from orchestrator.app_ops import inspect_app
+
+    _, state, _ = _apps_env(args)
+    print(json.dumps(inspect_app(state, args.target), indent=2))
+    return 0
+
+
+def _cmd_apps_update(args: argparse.Namespace) -> int:
+    from orchestrator.app_ops import update_app
+    from sandbox.images import docker_client
+
+    config_path, state, build_args = _apps_env(args)
+    client = docker_client()
+    try:
+        old, new = update_app(Path(args.dir), config_path, state, client, _progress, build_args)
+    finally:
+        client.close()
+    print(f"updated app {new.name} {old.version} -> {new.version}: image {new.image}, "
+          f"isolateMemory {str(new.isolate_memory).lower()}, "
+          f"disableArchive {str(new.disable_archive).lower()}")  # fmt: skip
+    return 0
+
+
+def _key_values(pairs: list[str]) -> dict[str, str]:
+    out = {}
+    for pair in pairs:
+        name, sep, value = pair.partition("=")
+        if not sep or not name:
+            raise SystemExit(f"cellgate: --env wants NAME=VALUE, got {pair!r}")
+        out[name] = value
+    return out
+
+
+def _cmd_apps_reconfigure(args: argparse.Namespace) -> int:
+    from orchestrator.app_ops import reconfigure_app
+    from sandbox.images import docker_client
+
+    config_path, state, _ = _apps_env(args)
+    client = docker_client()
+    try:
+        app = reconfigure_app(args.name, config_path, state, set_env=_key_values(args.env or []),
+                              unset_env=args.unset_env or [], docker=client,
+                              progress=_progress)  # fmt: skip
+    finally:
+        client.close()
+    print(f"reconfigured app {app.name}: agent {app.agent} entry rewritten from app.yaml")
+    return 0
+
+
+def _cmd_apps_state(args: argparse.Namespace) -> int:
+    from orchestrator.app_ops import set_state
+    from sandbox.images import docker_client
+
+    config_path, state, _ = _apps_env(args)
+    running = args.apps_command == "start"
+    client = docker_client()
+    try:
+        app = set_state(args.name, config_path, state, running, docker=client, progress=_progress)
+    finally:
+        client.close()
+    print(f"app {app.name} {app.state}")
+    return 0
+
+
+def _cmd_apps_uninstall(args: argparse.Namespace) -> int:
+    from orchestrator.app_ops import uninstall_app
+    from sandbox.images import docker_client
+
+    config_path, state, _ = _apps_env(args)
+    client = docker_client()
+    try:
+        archive = uninstall_app(args.name, config_path, state, client, _progress, purge=args.purge,
+                                backup_to=Path(args.backup) if args.backup else None)  # fmt: skip
+    finally:
+        client.close()
+    print(f"uninstalled app {args.name}" + (f"; its data was backed up to {archive} and deleted"
+                                           if archive else "; its data is kept"))  # fmt: skip
+    return 0
+
+
+def _cmd_apps_backup(args: argparse.Namespace) -> int:
+    from orchestrator.app_backup import backup_app, default_backup_path
+
+    _, state, _ = _apps_env(args)
+    target = Path(args.output) if args.output else default_backup_path(state, args.name)
+    print(backup_app(args.name, state, target, _progress))
+    return 0
+
+
+def _cmd_apps_restore(args: argparse.Namespace) -> int:
+    from orchestrator.app_backup import restore_app
+    from sandbox.images import docker_client
+
+    config_path, state, build_args = _apps_env(args)
+    client = docker_client()
+    try:
+        app = restore_app(Path(args.archive), config_path, state, client, _progress, build_args)
+    finally:
+        client.close()
+    print(f"restored app {app.name} {app.version}: agent {app.agent}")
     return 0
 
 
@@ -191,6 +325,39 @@ def parser() -> argparse.ArgumentParser:
     ai.add_argument("dir")
     ai.add_argument("--config", required=True)
     ai.set_defaults(func=_cmd_apps_install)
+    al = asub.add_parser("list", help="the installed apps")
+    al.add_argument("--json", action="store_true")
+    al.set_defaults(func=_cmd_apps_list)
+    ains = asub.add_parser("inspect", help="an app directory's or installed app's declaration")
+    ains.add_argument("target", help="an app directory or an installed app's name")
+    ains.set_defaults(func=_cmd_apps_inspect)
+    au = asub.add_parser("update", help="install a new release from DIR (chats/, media/ kept)")
+    au.add_argument("dir")
+    au.set_defaults(func=_cmd_apps_update)
+    arc = asub.add_parser("reconfigure", help="the app's environment; entry rewritten (L3)")
+    arc.add_argument("name")
+    arc.add_argument("--env", action="append", metavar="NAME=VALUE")
+    arc.add_argument("--unset-env", action="append", metavar="NAME")
+    arc.set_defaults(func=_cmd_apps_reconfigure)
+    for verb, text in (("start", "serve the app again"), ("stop", "stop serving the app")):
+        ast = asub.add_parser(verb, help=text)
+        ast.add_argument("name")
+        ast.set_defaults(func=_cmd_apps_state)
+    aun = asub.add_parser("uninstall", help="sandboxes, image tag, agent entry; data on --purge")
+    aun.add_argument("name")
+    aun.add_argument("--purge", action="store_true", help="back up, then delete the data")
+    aun.add_argument("--backup", default=None, help="where --purge writes its backup")
+    aun.set_defaults(func=_cmd_apps_uninstall)
+    ab = asub.add_parser("backup", help="one tar.gz of the workspace and store rows")
+    ab.add_argument("name")
+    ab.add_argument("-o", "--output", default=None)
+    ab.set_defaults(func=_cmd_apps_backup)
+    ar = asub.add_parser("restore", help="bring an app back from a backup archive")
+    ar.add_argument("archive")
+    ar.set_defaults(func=_cmd_apps_restore)
+    for sp in (al, ains, au, arc, aun, ab, ar, *asub.choices.values()):
+        if not any(a.dest == "config" for a in sp._actions):
+            sp.add_argument("--config", required=True)
 
     k = sub.add_parser("keys", help="manage API keys (kept hashed in the state database)")
     ksub = k.add_subparsers(dest="keys_command", required=True)

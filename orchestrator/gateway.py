@@ -23,6 +23,7 @@ import asyncio
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 from cellgate.errors import TurnTimeout
 from cellgate.models import ConversationKey
@@ -40,11 +41,12 @@ from orchestrator.harnesses.base import TurnResult
 from orchestrator.heartbeats import Heartbeats
 from orchestrator.intake import Intake
 from orchestrator.metrics import Metrics
+from orchestrator.reload import Reloader
 from orchestrator.runner import TurnRunner, session_env
 from orchestrator.sandbox_keeper import SandboxKeeper
-from orchestrator.store import Message, Store
+from orchestrator.store import Conversation, Message, Store
 from orchestrator.supervise import supervised
-from orchestrator.turns import TurnLoop
+from orchestrator.turns import TurnAnswer, TurnLoop
 from sandbox.backends.base import SandboxBackend
 from sandbox.gateway_id import load_gateway_id
 from sandbox.reaper import Reaper
@@ -68,9 +70,11 @@ class Gateway:
         *,
         store: Store | None = None,
         clock: Callable[[], float] = time.time,
+        config_path: Path | None = None,
     ) -> None:
         settings = config.gateway
         self.config = config
+        self.config_path = config_path  # followed for changes (L5)
         self.backend = backend
         self.clock = clock
         self.store = store or Store.open(settings.state_dir, clock=clock)
@@ -92,7 +96,7 @@ class Gateway:
         bound = settings.max_concurrent_turns
         self.loop = TurnLoop(
             self.store,
-            self.metrics.turn(self.runner.run),
+            self.metrics.turn(self._turn),
             self.metrics.delivery(ReplyDelivery(self.channels)),
             bound=bound,
             per_sender=settings.admission.turns_per_sender or max(1, bound // 2),
@@ -124,8 +128,19 @@ class Gateway:
             self.sandboxes.evict,
             self.store,
         )
+        self.reloader = Reloader(
+            config_path, config, self.agents, self.store, backend, self.gateway_id, self.loop,
+            self.sandboxes.remove_app, self._config_changed,
+        )  # fmt: skip
         self._started = False
         self._background: list[asyncio.Task[None]] = []
+
+    async def _turn(self, conv: Conversation, message: Message) -> TurnAnswer:
+        """A turn, with an agent waiting for an L5 restart settled around it."""
+        return await self.reloader.around(self.runner.run)(conv, message)
+
+    def _config_changed(self, config: GatewayConfig) -> None:
+        self.config = config
 
     # -- lifecycle ---------------------------------------------------------
 
@@ -158,6 +173,11 @@ class Gateway:
             asyncio.create_task(supervised("heartbeats", self.run_heartbeats)),
             asyncio.create_task(supervised("loop-lag", self.metrics.watch_loop)),
         ]
+        if self.config_path is not None:  # L5: config changes without a restart
+            self.reloader.install_sighup()
+            self._background.append(
+                asyncio.create_task(supervised("config-watch", self.reloader.watch))
+            )
 
     async def close(self) -> None:
         for task in self._background:

@@ -91,7 +91,6 @@ class SandboxKeeper:
 
     def reaper(self) -> Reaper:
         """Removes this gateway's sandboxes `sandboxIdleMinutes` after their last turn."""
-        apps = self.agents.app_names()
         return Reaper(
             self.backend,
             gateway_id=self.gateway_id,
@@ -100,7 +99,7 @@ class SandboxKeeper:
             idle_minutes=self.settings.sandbox_idle_minutes,
             now=self.clock,
             guard=self._guard,
-            scope=lambda info: info.labels.get(LABEL_APP) in apps,
+            scope=lambda info: info.labels.get(LABEL_APP) in self.agents.app_names(),
             on_removed=self.removed,
         )
 
@@ -181,3 +180,24 @@ class SandboxKeeper:
             await self.backend.remove(name)
             await self.removed(name)
         return True
+
+    async def remove_app(
+        self, app: str, agent: str, holding: ConversationId | None = None
+    ) -> list[str]:
+        """S5, L5: remove every sandbox of `app` (an update or restart), each under its
+        conversation's lock except `holding`'s, which the caller holds already."""
+        removed: list[str] = []
+        for sb in await asyncio.to_thread(self.store.sandboxes, app):
+            if sb.agent != agent:
+                continue
+            lock = (
+                contextlib.nullcontext()
+                if sb.conversation_id == holding
+                else self.loop.conversation_lock(sb.conversation_id)
+            )
+            async with lock:
+                await self.backend.remove(sb.name)
+                await self.removed(sb.name)
+            removed.append(sb.name)
+        removed += await self.reaper().remove_app(app)  # labelled ones the store forgot
+        return removed

@@ -112,7 +112,17 @@ def base_image(docker_client: Any) -> str:
 
 
 # The app names the suite's gateways serve; a foreign gateway serves the same ones.
-GUARDED_APPS = ("e2e", "e2egv", "crash", "life", "cgbridge", "k1api")
+GUARDED_APPS = (
+    "e2e",
+    "e2egv",
+    "crash",
+    "life",
+    "cgbridge",
+    "k1api",
+    "appscli",
+    "appsapi",
+    "appsl5",
+)
 
 
 def _start_foreign(client: Any, image: str, gateway: str) -> dict[str, str]:

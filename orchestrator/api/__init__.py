@@ -5,7 +5,8 @@
 Routers, one per resource: `chat` (send a message), `chats` (an agent's
 chats, sessions, messages, search, active days, inject), `media`, `shares`,
 `artifacts` (`/v1/image-artifacts`), `keys`, `telegram` (the webhook, W2), `line`
-(the webhook, W2, and the expiring `line_image` URLs, P5).
+(the webhook, W2, and the expiring `line_image` URLs, P5), `apps` (`/api/v1/apps`:
+install, inspect, update, ..., restore; admin keys).
 Who may call what is decided in
 `policies.api_access` (K2-K4), `policies.paths` (P5) and `policies.shares`
 (P6); `auth` gathers a key's facts, `ids` checks every id in a path (400), and
@@ -20,6 +21,7 @@ from __future__ import annotations
 from fastapi import FastAPI
 
 from orchestrator.api import (
+    apps,
     artifacts,
     chat,
     chats,
@@ -56,6 +58,18 @@ def create_app(gateway: Gateway) -> FastAPI:
     async def healthz() -> dict[str, str]:
         return {"status": "ok"}
 
-    for module in (chat, chats, media, shares, artifacts, keys, metrics, dashboard, telegram, line):
+    for module in (
+        chat,
+        chats,
+        media,
+        shares,
+        artifacts,
+        keys,
+        metrics,
+        dashboard,
+        telegram,
+        line,
+        apps,
+    ):
         app.include_router(module.router)
     return app

@@ -67,7 +67,9 @@ def scope_refusal(who: Principal, path: str) -> ApiError | None:
 
     The endpoint decides the rest (write, K3, K4) once the body is read.
     """
-    admin_only = path == "/v1/keys" or path.startswith("/v1/keys/")
+    admin_only = path in ("/v1/keys", "/api/v1/apps") or path.startswith(
+        ("/v1/keys/", "/api/v1/apps/")
+    )
     if not who.facts.present or who.facts.revoked or admin_only:
         decision = decide(who.facts, RequestFacts("", False, "admin"))
     else:

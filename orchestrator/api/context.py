@@ -30,11 +30,15 @@ class ApiContext:
         return agent in self.gateway.agents
 
     def isolated(self, agent: str) -> bool:
-        """Isolated now, or started isolated (L5: a running agent keeps its mode)."""
+        """Isolated now, started isolated, or about to restart isolated (L5)."""
         rt = self.gateway.agents.get(agent)
         if rt is None:
             return False
-        return bool(rt.config.isolate_memory or rt.started_isolated)
+        return bool(
+            rt.config.isolate_memory
+            or rt.started_isolated
+            or self.gateway.reloader.pending_isolated(agent)
+        )
 
     def workspace(self, agent: str) -> Path:
         """The agent's workspace on the host: the app's, the configured one, or the default."""

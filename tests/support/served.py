@@ -13,7 +13,7 @@ from typing import Any
 import uvicorn
 
 from orchestrator.api import create_app
-from orchestrator.config import load_config
+from orchestrator.app_modes import prepare_config
 from orchestrator.gateway import Gateway
 from sandbox.backends.base import SandboxBackend
 
@@ -31,20 +31,25 @@ def served_gateway(
     *,
     port: int | None = None,
     start: bool = False,
+    background: bool = False,
 ) -> Iterator[tuple[str, Gateway]]:
     """Yield the base URL and the gateway; stop the server and close the gateway after.
 
     `start`: run `Gateway.start` (recovery, channels) before serving, as `cellgate serve` does.
+    `background`: also its background tasks (reaper, heartbeats, the config watch of L5).
+    The config is prepared as `cellgate serve` does (L3: app declarations applied).
     """
     port = port or free_port()
     holder: dict[str, Any] = {}
     ready = threading.Event()
 
     async def main() -> None:
-        gw = Gateway(load_config(config_path), backend())
+        gw = Gateway(prepare_config(config_path), backend(), config_path=config_path)
         holder["gateway"] = gw
         if start:
             await gw.start()
+        if background:
+            gw.start_background()
         server = uvicorn.Server(
             uvicorn.Config(
                 create_app(gw), host="127.0.0.1", port=port, log_level="warning", lifespan="off"

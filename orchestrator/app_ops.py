@@ -1,0 +1,448 @@
+"""An installed app over its life: update, reconfigure, start, stop, uninstall, inspect (S5, L3).
+
+Each operation changes the files (workspace, record, config entry) and, when
+asked, removes the app's sandboxes itself (`remove_app_sandboxes`: the CLI,
+with or without a gateway running). A running gateway notices the change
+(`orchestrator.reload`, L5) and restarts the agent once none of its sessions
+is busy, removing its sandboxes then; a sandbox busy with a turn is left to it.
+
+    update_app(dir, ...)       new release: template, image, record, entry;
+                               the conversations' chats/ and media/ are kept
+    reconfigure_app(name, ...) the operator's environment; entry rewritten (L3)
+    set_state(name, running)   `apps start` / `apps stop`
+    uninstall_app(name, ...)   sandboxes, image tag, agent entry; data on --purge
+    inspect_app(dir or name)   the declaration (L4)
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import sqlite3
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from cellgate.errors import AppError, ConfigError
+from orchestrator.apps import (
+    AppManifest,
+    InstalledApp,
+    agent_entry,
+    build_or_check_image,
+    installed_apps,
+    installed_manifest,
+    load_manifest,
+    read_record,
+    save_release,
+    template_dir,
+    write_agent_entry,
+    write_record,
+)
+from orchestrator.config import read_config_document, write_config_document
+from orchestrator.store.db import DB_FILE, Database
+from sandbox.gateway_id import load_gateway_id
+from sandbox.images import Progress
+from sandbox.spec import LABEL_APP, LABEL_CONVERSATION, LABEL_GATEWAY, LABEL_MANAGED
+
+logger = logging.getLogger(__name__)
+
+KEPT_ON_UPDATE = ("chats", "media", "memory", "MEMORY.md", "USER.md", "kb.sqlite")
+"""What an update keeps of the workspace: the conversations and the agent's own memory."""
+BUILT_PREFIX = "cellgate-app-"
+
+
+def _quiet(line: str) -> None:
+    return None
+
+
+def describe(app: InstalledApp) -> dict[str, Any]:
+    return {
+        "name": app.name,
+        "version": app.version,
+        "agent": app.agent,
+        "state": app.state,
+        "image": app.image,
+        "imageId": app.image_id,
+        "isolateMemory": app.isolate_memory,
+        "disableArchive": app.disable_archive,
+        "workspace": str(app.workspace),
+    }
+
+
+def list_apps(state_dir: Path) -> list[dict[str, Any]]:
+    out = []
+    for name in installed_apps(state_dir):
+        try:
+            out.append(describe(InstalledApp.load(state_dir, name)))
+        except (AppError, KeyError, ValueError) as exc:
+            out.append({"name": name, "state": "broken", "error": str(exc)})
+    return out
+
+
+def declaration(manifest: AppManifest) -> dict[str, Any]:
+    """L4: what the app declares for its agent."""
+    svc = manifest.services.agent
+    return {
+        "name": manifest.name,
+        "version": manifest.version,
+        "description": manifest.description,
+        "agentDeclaration": {
+            "name": svc.name,
+            "isolateMemory": svc.isolate_memory,
+            "disableArchive": svc.disable_archive,
+            "image": svc.image,
+            "build": svc.build is not None,
+            "harness": svc.harness.type,
+        },
+    }
+
+
+def inspect_app(state_dir: Path, target: str) -> dict[str, Any]:
+    """L4: an app directory's declaration, or an installed app's (with its record)."""
+    path = Path(target)
+    if path.is_dir():
+        return {**declaration(load_manifest(path.resolve())), "installed": None}
+    manifest = installed_manifest(state_dir, target)
+    return {**declaration(manifest), "installed": describe(InstalledApp.load(state_dir, target))}
+
+
+# -- sandboxes ----------------------------------------------------------------------------
+
+
+def _busy_conversations(state_dir: Path, agent: str) -> set[str]:
+    db_path = state_dir / DB_FILE
+    if not db_path.exists():
+        return set()
+    db = Database(db_path)
+    try:
+        with db.read() as conn:
+            rows = conn.execute(
+                "SELECT DISTINCT s.conversation_id FROM sessions s"
+                " JOIN conversations c ON c.id = s.conversation_id"
+                " JOIN turns t ON t.session_id = s.id"
+                " WHERE c.agent = ? AND s.state = 'live' AND t.finished_at IS NULL",
+                (agent,),
+            ).fetchall()
+    finally:
+        db.close()
+    return {str(r[0]) for r in rows}
+
+
+def remove_app_sandboxes(
+    docker: Any, state_dir: Path, app: str, agent: str, progress: Progress = _quiet
+) -> list[str]:
+    """S5: remove this state directory's gateway's sandboxes of `app`.
+
+    Only containers labelled with this gateway's id (R1). A sandbox whose
+    conversation has a turn running is left: the running gateway removes it
+    when it restarts the agent after that turn (L5).
+    """
+    from docker import errors as docker_errors
+
+    gateway = load_gateway_id(state_dir)
+    labels = [f"{LABEL_MANAGED}=1", f"{LABEL_GATEWAY}={gateway}", f"{LABEL_APP}={app}"]
+    busy = _busy_conversations(state_dir, agent)
+    removed: list[str] = []
+    for row in docker.api.containers(all=True, filters={"label": labels}):
+        name = str(row["Names"][0]).lstrip("/")
+        if row.get("Labels", {}).get(LABEL_CONVERSATION) in busy:
+            progress(f"sandbox {name} is running a turn; the gateway removes it after that turn")
+            continue
+        progress(f"removing sandbox {name}")
+        try:
+            docker.api.remove_container(row["Id"], force=True, v=True)
+        except docker_errors.NotFound:
+            continue
+        except docker_errors.APIError as exc:
+            raise AppError(app, f"cannot remove sandbox {name}: {exc.explanation}") from exc
+        removed.append(name)
+    _forget_sandboxes(state_dir, removed)
+    return removed
+
+
+def _forget_sandboxes(state_dir: Path, names: Sequence[str]) -> None:
+    if not names or not (state_dir / DB_FILE).exists():
+        return
+    db = Database(state_dir / DB_FILE)
+    try:
+        with db.write() as conn:
+            conn.executemany("DELETE FROM sandboxes WHERE name = ?", [(n,) for n in names])
+    finally:
+        db.close()
+
+
+def remove_image_tag(docker: Any, ref: str, progress: Progress = _quiet) -> bool:
+    """Remove a tag cellgate built (`cellgate-app-*`); a referenced image is never removed."""
+    from docker import errors as docker_errors
+
+    if not ref.startswith(BUILT_PREFIX):
+        return False
+    try:
+        docker.api.remove_image(ref, noprune=False)
+    except docker_errors.ImageNotFound:
+        return False
+    except docker_errors.APIError as exc:
+        logger.warning("image %s not removed: %s", ref, exc.explanation)
+        return False
+    progress(f"removed image tag {ref}")
+    return True
+
+
+# -- update -------------------------------------------------------------------------------
+
+
+def _replace_template(template: Path, workspace: Path, staging: Path) -> None:
+    """Replace the workspace's release files with the template's; keep KEPT_ON_UPDATE."""
+    shutil.rmtree(staging, ignore_errors=True)
+    shutil.copytree(template, staging, symlinks=True)
+    for entry in list(workspace.iterdir()):
+        if entry.name in KEPT_ON_UPDATE:
+            continue
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry)
+        else:
+            entry.unlink()
+    for entry in list(staging.iterdir()):
+        if entry.name in KEPT_ON_UPDATE and (workspace / entry.name).exists():
+            continue
+        entry.rename(workspace / entry.name)
+    shutil.rmtree(staging, ignore_errors=True)
+
+
+def _log_modes(agent: str, old: InstalledApp, new: InstalledApp) -> None:
+    for label, before, after in (
+        ("isolateMemory", old.isolate_memory, new.isolate_memory),
+        ("disableArchive", old.disable_archive, new.disable_archive),
+    ):
+        if before != after:
+            logger.info(
+                "agent %s: %s %s -> %s from the new release's app.yaml (L3)",
+                agent, label, str(before).lower(), str(after).lower(),
+            )  # fmt: skip
+
+
+def update_app(
+    app_dir: Path,
+    config_path: Path,
+    state_dir: Path,
+    docker: Any,
+    progress: Progress,
+    build_args: Mapping[str, str] | None = None,
+    *,
+    remove_sandboxes: bool = True,
+) -> tuple[InstalledApp, InstalledApp]:
+    """Install a new release of an installed app; (the old, the new)."""
+    app_dir = app_dir.resolve()
+    manifest = load_manifest(app_dir)
+    old = InstalledApp.load(state_dir, manifest.name)
+    svc = manifest.services.agent
+    if svc.name != old.agent:
+        raise AppError(
+            manifest.name,
+            f"an update cannot rename the agent ({old.agent} -> {svc.name}); "
+            "uninstall and install instead",
+        )
+    template = template_dir(app_dir, manifest)
+    ref, iid = build_or_check_image(app_dir, manifest, docker, progress, build_args)
+    progress(f"replacing the workspace template of {old.agent} (chats/ and media/ kept)")
+    _replace_template(template, old.workspace, old.agent_root / ".release-staging")
+    new = InstalledApp(
+        name=manifest.name,
+        version=manifest.version,
+        agent=svc.name,
+        image=ref,
+        image_id=iid,
+        user=svc.user,
+        environment={**svc.environment, **_operator_env(state_dir, old.name)},
+        networks=svc.networks,
+        isolate_memory=svc.isolate_memory,
+        disable_archive=svc.disable_archive,
+        workspace=old.workspace,
+        agent_root=old.agent_root,
+        state=old.state,
+        record_dir=old.record_dir,
+    )
+    record_dir = state_dir / "apps" / manifest.name
+    save_release(app_dir, record_dir)
+    write_record(record_dir, new, manifest, operator_env=_operator_env(state_dir, old.name))
+    write_agent_entry(config_path, agent_entry(manifest))
+    _log_modes(new.agent, old, new)
+    if remove_sandboxes:
+        remove_app_sandboxes(docker, state_dir, new.name, new.agent, progress)
+        if old.image != ref:
+            remove_image_tag(docker, old.image, progress)
+    logger.info("updated app %s %s -> %s (image %s)", new.name, old.version, new.version, ref)
+    return old, new
+
+
+# -- reconfigure, start, stop -------------------------------------------------------------
+
+
+def _operator_env(state_dir: Path, name: str) -> dict[str, str]:
+    env = read_record(state_dir, name).get("operator_environment", {})
+    return {str(k): str(v) for k, v in env.items()} if isinstance(env, dict) else {}
+
+
+def reconfigure_app(
+    name: str,
+    config_path: Path,
+    state_dir: Path,
+    *,
+    set_env: Mapping[str, str] | None = None,
+    unset_env: Sequence[str] = (),
+    docker: Any = None,
+    progress: Progress = _quiet,
+) -> InstalledApp:
+    """The operator's environment for the app; the agent entry rewritten from app.yaml (L3)."""
+    app = InstalledApp.load(state_dir, name)
+    manifest = installed_manifest(state_dir, name)
+    operator = _operator_env(state_dir, name)
+    operator.update(set_env or {})
+    for key in unset_env:
+        operator.pop(key, None)
+    env = {**manifest.services.agent.environment, **operator}
+    for key in unset_env:
+        if key not in operator:
+            env.pop(key, None)
+    new = _with(app, environment=env)
+    write_record(state_dir / "apps" / name, new, manifest, operator_env=operator)
+    write_agent_entry(config_path, agent_entry(manifest))
+    if docker is not None:
+        remove_app_sandboxes(docker, state_dir, name, app.agent, progress)
+    logger.info("reconfigured app %s", name)
+    return new
+
+
+def _with(app: InstalledApp, **changes: Any) -> InstalledApp:
+    import dataclasses
+
+    return dataclasses.replace(app, **changes)
+
+
+def set_state(
+    name: str,
+    config_path: Path,
+    state_dir: Path,
+    running: bool,
+    *,
+    docker: Any = None,
+    progress: Progress = _quiet,
+) -> InstalledApp:
+    """`apps start` (the entry rewritten from app.yaml, L3) or `apps stop` (sandboxes removed)."""
+    app = InstalledApp.load(state_dir, name)
+    manifest = installed_manifest(state_dir, name)
+    new = _with(app, state="running" if running else "stopped")
+    write_record(
+        state_dir / "apps" / name, new, manifest, operator_env=_operator_env(state_dir, name)
+    )
+    if running:
+        write_agent_entry(config_path, agent_entry(manifest))
+    elif docker is not None:
+        remove_app_sandboxes(docker, state_dir, name, app.agent, progress)
+    logger.info("app %s %s", name, new.state)
+    return new
+
+
+# -- uninstall ----------------------------------------------------------------------------
+
+
+def remove_agent_entry(config_path: Path, agent: str, app: str) -> bool:
+    doc = read_config_document(config_path)
+    agents = doc.get("agents", [])
+    if not isinstance(agents, list):
+        raise ConfigError(str(config_path), "agents", "must be a list of agent objects")
+    kept = [
+        a
+        for a in agents
+        if not (isinstance(a, dict) and a.get("id") == agent and a.get("app") == app)
+    ]
+    if len(kept) == len(agents):
+        return False
+    doc["agents"] = kept
+    write_config_document(config_path, doc)
+    return True
+
+
+def delete_agent_rows(state_dir: Path, agent: str) -> int:
+    """Every store row of the agent's conversations (uninstall --purge)."""
+    if not (state_dir / DB_FILE).exists():
+        return 0
+    db = Database(state_dir / DB_FILE)
+    statements = (
+        "DELETE FROM turns WHERE session_id IN (SELECT s.id FROM sessions s JOIN conversations c"
+        " ON c.id = s.conversation_id WHERE c.agent = ?)",
+        "DELETE FROM shares WHERE conversation_id IN"
+        " (SELECT id FROM conversations WHERE agent = ?)",
+        "DELETE FROM replies WHERE conversation_id IN"
+        " (SELECT id FROM conversations WHERE agent = ?)",
+        "DELETE FROM sessions WHERE conversation_id IN"
+        " (SELECT id FROM conversations WHERE agent = ?)",
+        "DELETE FROM messages WHERE conversation_id IN"
+        " (SELECT id FROM conversations WHERE agent = ?)",
+        "DELETE FROM attachments WHERE conversation_id IN"
+        " (SELECT id FROM conversations WHERE agent = ?)",
+        "DELETE FROM sandboxes WHERE conversation_id IN"
+        " (SELECT id FROM conversations WHERE agent = ?)",
+        "DELETE FROM api_chat_keys WHERE conversation_id IN"
+        " (SELECT id FROM conversations WHERE agent = ?)",
+        "DELETE FROM cron_jobs WHERE agent = ?",
+        "DELETE FROM conversations WHERE agent = ?",
+    )
+    try:
+        with db.write() as conn:
+            n = conn.execute("SELECT count(*) FROM conversations WHERE agent = ?", (agent,))
+            count = int(n.fetchone()[0])
+            for sql in statements:
+                conn.execute(sql, (agent,))
+    except sqlite3.Error as exc:
+        raise AppError(agent, f"cannot delete its store rows: {exc}") from exc
+    finally:
+        db.close()
+    return count
+
+
+def uninstall_app(
+    name: str,
+    config_path: Path,
+    state_dir: Path,
+    docker: Any,
+    progress: Progress,
+    *,
+    purge: bool = False,
+    backup_to: Path | None = None,
+    remove_sandboxes: bool = True,
+) -> Path | None:
+    """Remove the app's sandboxes, image tag and agent entry; with `purge`, after writing a
+    backup (returned), its workspace, homes, quota images and store rows too."""
+    from orchestrator.app_backup import backup_app, default_backup_path
+    from sandbox.quota import release_all
+
+    app = InstalledApp.load(state_dir, name)
+    archive: Path | None = None
+    if purge:
+        archive = backup_to or default_backup_path(state_dir, name)
+        backup_app(name, state_dir, archive, progress)
+    if remove_sandboxes:
+        remove_app_sandboxes(docker, state_dir, name, app.agent, progress)
+    if remove_agent_entry(config_path, app.agent, name):
+        progress(f"removed agent {app.agent} from {config_path}")
+    remove_image_tag(docker, app.image, progress)
+    record_dir = state_dir / "apps" / name
+    (record_dir / "app.json").unlink()
+    if purge:
+        quota = state_dir / "quota" / app.agent
+        for root in (app.agent_root, quota):
+            release_all(root)
+        progress(f"deleting {app.agent_root} and the store rows of {app.agent}")
+        for path in (app.agent_root, quota, record_dir):
+            shutil.rmtree(path, ignore_errors=False) if path.exists() else None
+        delete_agent_rows(state_dir, app.agent)
+    else:
+        progress(f"kept the data of {app.agent} in {app.agent_root} (--purge deletes it)")
+    logger.info("uninstalled app %s%s", name, " (purged)" if purge else "")
+    return archive
+
+
+def dump(doc: Any) -> str:
+    return json.dumps(doc, indent=2)

@@ -1,0 +1,140 @@
+"""Backup never follows what a sandbox planted; restore refuses a hostile archive (issue 11).
+
+No engine here: a hostile archive is refused while it is unpacked, before the
+engine is asked anything; the full round trip is in tests/e2e/test_apps.py.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import tarfile
+from pathlib import Path
+
+import pytest
+
+from cellgate.errors import AppError
+from orchestrator.app_backup import backup_app, restore_app
+from orchestrator.config import write_config_document
+from policies.archive import ArchiveLimits
+from tests.orchestrator.test_app_modes import _installed
+
+SECRET = "host-secret-do-not-copy-4471"
+
+
+def test_backup_leaves_out_links_fifos_and_files_planted_by_a_sandbox(tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    _installed(state, "shop", {"isolate_memory": True})
+    ws = state / "agents" / "shop-bot" / "workspace"
+    chat = ws / "chats" / "api-1-aa"
+    chat.mkdir(parents=True)
+    (chat / "USER.md").write_text("likes tea\n")
+    outside = tmp_path / "host-secret.txt"
+    outside.write_text(SECRET)
+    (chat / "MEMORY.md").symlink_to(outside)
+    (ws / "chats" / "linked-dir").symlink_to(tmp_path)
+    os.mkfifo(chat / "pipe")
+    lines: list[str] = []
+    archive = backup_app("shop", state, tmp_path / "out" / "shop.tar.gz", lines.append)
+    assert oct(archive.stat().st_mode & 0o777) == "0o600"
+    with tarfile.open(archive, "r:gz") as tar:
+        names = tar.getnames()
+        assert all(m.isfile() or m.isdir() for m in tar.getmembers())
+        data = b"".join(
+            tar.extractfile(m).read()
+            for m in tar.getmembers()
+            if m.isfile()  # type: ignore[union-attr]
+        )
+    assert "workspace/chats/api-1-aa/USER.md" in names
+    assert "workspace/chats/api-1-aa/MEMORY.md" not in names
+    assert "workspace/chats/linked-dir" not in names
+    assert "workspace/chats/api-1-aa/pipe" not in names
+    assert SECRET.encode() not in data
+    assert any("left out" in line and "MEMORY.md" in line for line in lines)
+    assert any(line.startswith("backup done") for line in lines)  # progress is shown
+
+
+def _hostile(path: Path, member: tarfile.TarInfo, data: bytes = b"") -> Path:
+    with tarfile.open(path, "w:gz") as tar:
+        meta = tarfile.TarInfo("cellgate-backup.json")
+        body = b'{"format": 1, "app": "shop", "agent": "shop-bot"}'
+        meta.size = len(body)
+        tar.addfile(meta, io.BytesIO(body))
+        member.size = len(data) if member.isreg() else 0
+        tar.addfile(member, io.BytesIO(data) if member.isreg() else None)
+    return path
+
+
+def _symlink(name: str, target: str) -> tarfile.TarInfo:
+    m = tarfile.TarInfo(name)
+    m.type, m.linkname = tarfile.SYMTYPE, target
+    return m
+
+
+def _hardlink(name: str, target: str) -> tarfile.TarInfo:
+    m = tarfile.TarInfo(name)
+    m.type, m.linkname = tarfile.LNKTYPE, target
+    return m
+
+
+def _device(name: str) -> tarfile.TarInfo:
+    m = tarfile.TarInfo(name)
+    m.type, m.devmajor, m.devminor = tarfile.CHRTYPE, 1, 3
+    return m
+
+
+@pytest.mark.parametrize(
+    ("member", "data", "why"),
+    [
+        (tarfile.TarInfo("/tmp/cellgate-escape-abs"), b"x", "absolute"),
+        (tarfile.TarInfo("workspace/../../cellgate-escape-dots"), b"x", "'..'"),
+        (_symlink("workspace/chats/a", "/etc"), b"", "symlink"),
+        (_hardlink("workspace/chats/b", "/etc/passwd"), b"", "hardlink"),
+        (_device("workspace/null"), b"", "device"),
+        (tarfile.TarInfo("workspace/huge"), b"y" * 4096, "per-file bound"),
+        (tarfile.TarInfo("etc/cron.d/evil"), b"x", "not part of a cellgate backup"),
+    ],
+)
+def test_restore_refuses_a_hostile_archive(
+    tmp_path: Path, member: tarfile.TarInfo, data: bytes, why: str
+) -> None:
+    state = tmp_path / "fresh-state"
+    state.mkdir()
+    config = state / "config.json"
+    write_config_document(config, {"gateway": {"stateDir": str(state)}, "agents": []})
+    before = config.read_text()
+    archive = _hostile(tmp_path / "evil.tar.gz", member, data)
+    limits = ArchiveLimits(max_member_bytes=1024)
+    with pytest.raises(AppError, match="archive refused") as info:
+        restore_app(archive, config, state, None, lambda _: None, limits=limits)
+    assert why in str(info.value)
+    assert sorted(p.name for p in state.iterdir()) == ["config.json"]  # staging removed
+    assert config.read_text() == before
+    assert not Path("/tmp/cellgate-escape-abs").exists()
+    assert not (tmp_path / "cellgate-escape-dots").exists()
+
+
+def test_restore_refuses_a_member_count_bomb(tmp_path: Path) -> None:
+    state = tmp_path / "fresh-state"
+    state.mkdir()
+    config = state / "config.json"
+    write_config_document(config, {"gateway": {"stateDir": str(state)}, "agents": []})
+    archive = tmp_path / "many.tar.gz"
+    with tarfile.open(archive, "w:gz") as tar:
+        for i in range(50):
+            tar.addfile(tarfile.TarInfo(f"workspace/f{i}"), io.BytesIO(b""))
+    with pytest.raises(AppError, match="more than 20 members"):
+        restore_app(archive, config, state, None, lambda _: None,
+                    limits=ArchiveLimits(max_members=20))  # fmt: skip
+    assert not (state / "agents").exists()
+
+
+def test_restore_refuses_what_is_not_an_archive(tmp_path: Path) -> None:
+    state = tmp_path / "s"
+    state.mkdir()
+    config = state / "config.json"
+    write_config_document(config, {"gateway": {"stateDir": str(state)}, "agents": []})
+    junk = tmp_path / "junk.tar.gz"
+    junk.write_bytes(os.urandom(4096))
+    with pytest.raises(AppError, match="not a readable archive"):
+        restore_app(junk, config, state, None, lambda _: None)
