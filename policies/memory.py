@@ -8,10 +8,14 @@
 - M7 `budget_banner`: the banner put above an over-budget file in the
   composed CLAUDE.md; the file on disk is never rewritten.
 - A2/T2 `archive_index`: whether the memory archive (kb.sqlite) is built and read.
+- A1 `archive_file`: which file `memory_get` may read: `MEMORY.md`, `USER.md`
+  or `memory/<name>.md` of the workspace, named plainly (`/workspace/` may
+  lead); `../`, other absolute paths, deeper paths and other names are refused.
 """
 
 from __future__ import annotations
 
+import re
 from typing import Literal
 
 from policies.base import Decision, allow, deny
@@ -20,6 +24,7 @@ from policies.secrets import secret_in_text
 __all__ = [
     "DEFAULT_TARGET",
     "MemoryFile",
+    "archive_file",
     "archive_index",
     "budget_banner",
     "memory_content",
@@ -130,3 +135,32 @@ def archive_index(agent_isolated: bool, archive_disabled: bool) -> Decision:
             "the memory archive is turned off (disableArchive); kb.sqlite is not built or read",
         )
     return allow("A1")
+
+
+_ARCHIVE_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]{0,99}\.md$")
+_WORKSPACE_PREFIX = "/workspace/"
+
+
+def archive_file(path: str) -> Decision:
+    """A1: may `memory_get` read `path`? The reason of an allowed one is the relative path.
+
+    Only the archive's own files: `MEMORY.md`, `USER.md`, `memory/<name>.md`.
+    Symlinks and non-regular files are refused by the reader, not here.
+    """
+    rel = path[len(_WORKSPACE_PREFIX) :] if path.startswith(_WORKSPACE_PREFIX) else path
+    parts = rel.replace("\\", "/").split("/")
+    if "\0" in rel or "\\" in rel or ".." in parts or rel.startswith(("/", "~")):
+        return deny(
+            "A1",
+            f"{_show(path)} leaves the memory archive; memory_get reads MEMORY.md, USER.md "
+            "or memory/<name>.md",
+        )
+    if rel in ("MEMORY.md", "USER.md"):
+        return allow("A1", rel)
+    if len(parts) == 2 and parts[0] == "memory" and _ARCHIVE_NAME.fullmatch(parts[1]):
+        return allow("A1", rel)
+    return deny(
+        "A1",
+        f"{_show(path)} is not a file of the memory archive; memory_get reads MEMORY.md, "
+        "USER.md or memory/<name>.md (use the file a memory_search hit names)",
+    )

@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Any
 
 from cellgate.errors import NotFound, PolicyDenied, ScheduleError, StateConflict, UnknownAgent
 from cellgate.models import ConversationKey
@@ -33,6 +34,7 @@ __all__ = [
     "CronJobs",
     "JobRequest",
     "facts_from_configs",
+    "job_view",
 ]
 
 logger = logging.getLogger(__name__)
@@ -77,6 +79,35 @@ class JobRequest:
     timeout_seconds: float = 60.0
 
 
+def job_state(job: CronJob) -> str:
+    """`active`, `paused`, or `used up` (a one-shot job that ran)."""
+    if job.enabled:
+        return "active"
+    return "used up" if job.one_shot and job.runs > 0 else "paused"
+
+
+def job_view(job: CronJob) -> dict[str, Any]:
+    """A job as the API, the bridge and the CLI show it."""
+    return {
+        "id": job.id,
+        "agent": job.agent,
+        "name": job.name,
+        "type": job.type.value,
+        "schedule": {"kind": job.schedule_kind.value, "expr": job.schedule,
+                     "timezone": job.timezone},
+        "payload": job.payload,
+        "channel": job.channel,
+        "chat_id": job.chat_id,
+        "state": job_state(job),
+        "one_shot": job.one_shot,
+        "next_run_at": job.next_run_at,
+        "last_run_at": job.last_run_at,
+        "runs": job.runs,
+        "last_status": job.last_status,
+        "timeout_seconds": job.timeout_seconds,
+    }  # fmt: skip
+
+
 class CronJobs:
     def __init__(
         self,
@@ -98,10 +129,12 @@ class CronJobs:
         return found
 
     def _refuse(self, agent: str, rule: str, reason: str, via: str) -> PolicyDenied:
+        """The refusal, audited here unless it came over the bridge (which audits its own)."""
         logger.info("cron job for %s refused by %s: %s", agent, rule, reason)
-        self.store.record_refusal(
-            rule=rule, action="cron_create", reason=reason, detail={"agent": agent, "via": via}
-        )
+        if via != "bridge":
+            self.store.record_refusal(
+                rule=rule, action="cron_create", reason=reason, detail={"agent": agent, "via": via}
+            )
         return PolicyDenied(rule, reason)
 
     def create(self, agent: str, req: JobRequest, *, via: str = "cli") -> CronJob:
