@@ -4,7 +4,8 @@
 
 Routers, one per resource: `chat` (send a message), `chats` (an agent's
 chats, sessions, messages, search, active days, inject), `media`, `shares`,
-`artifacts` (`/v1/image-artifacts`), `keys`, `telegram` (the webhook, W2).
+`artifacts` (`/v1/image-artifacts`), `keys`, `cron` (an agent's cron jobs, C1,
+C2), `telegram` (the webhook, W2).
 Who may call what is decided in
 `policies.api_access` (K2-K4), `policies.paths` (P5) and `policies.shares`
 (P6); `auth` gathers a key's facts, `ids` checks every id in a path (400), and
@@ -22,6 +23,7 @@ from orchestrator.api import (
     artifacts,
     chat,
     chats,
+    cron,
     dashboard,
     keys,
     media,
@@ -54,6 +56,6 @@ def create_app(gateway: Gateway) -> FastAPI:
     async def healthz() -> dict[str, str]:
         return {"status": "ok"}
 
-    for module in (chat, chats, media, shares, artifacts, keys, metrics, dashboard, telegram):
+    for module in (chat, chats, cron, media, shares, artifacts, keys, metrics, dashboard, telegram):
         app.include_router(module.router)
     return app

@@ -34,6 +34,7 @@ __all__ = [
     "CronJobs",
     "JobRequest",
     "facts_from_configs",
+    "job_state",
     "job_view",
 ]
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
-from croniter import croniter
+from croniter import CroniterError, croniter
 
 from cellgate.errors import ScheduleError
 from orchestrator.store.models import ScheduleKind
@@ -64,23 +64,33 @@ class Schedule:
 def _zone(name: str) -> ZoneInfo:
     try:
         return ZoneInfo(name)
-    except (ZoneInfoNotFoundError, ValueError) as exc:
+    except (ZoneInfoNotFoundError, ValueError, OSError) as exc:
         raise ScheduleError(
             f"unknown time zone {name[:64]!r}: use an IANA name such as 'Europe/Berlin' or 'UTC'"
         ) from exc
 
 
-def _cron(expr: str, timezone: str) -> Schedule:
+def _cron(expr: str, timezone: str, now: float) -> Schedule:
     expr = " ".join(expr.split())
     if len(expr) > _MAX_EXPR or len(expr.split(" ")) != 5:
         raise ScheduleError(
             f"cron expression {expr[:64]!r} must have five fields "
             "(minute hour day-of-month month day-of-week), e.g. '0 9 * * 1-5'"
         )
-    if not croniter.is_valid(expr):
+    try:
+        valid = croniter.is_valid(expr)
+    except (ValueError, TypeError, KeyError):
+        valid = False
+    if not valid:
         raise ScheduleError(f"cron expression {expr!r} is not valid, e.g. '*/15 * * * *'")
-    _zone(timezone)
-    return Schedule(ScheduleKind.CRON, expr, timezone)
+    schedule = Schedule(ScheduleKind.CRON, expr, timezone)
+    try:
+        _next_cron(schedule, now)
+    except ScheduleError:
+        raise
+    except (CroniterError, ValueError, OverflowError) as exc:
+        raise ScheduleError(f"cron expression {expr!r} never runs (e.g. 31 February)") from exc
+    return schedule
 
 
 def _every(text: str) -> Schedule:
@@ -104,16 +114,18 @@ def _at(text: str, timezone: str, now: float) -> Schedule:
     else:
         try:
             parsed = datetime.fromisoformat(text[:64])
-        except ValueError as exc:
+            if parsed.tzinfo is None:
+                parsed = parsed.replace(tzinfo=_zone(timezone))
+            when = parsed.timestamp()
+        except (ValueError, OverflowError, OSError) as exc:
             raise ScheduleError(
                 f"time {text[:64]!r} is not ISO 8601 (e.g. '2026-12-24T18:00' in the job's "
                 "time zone, '2026-12-24T17:00:00+00:00') or relative ('+15m', '+2h')"
             ) from exc
-        if parsed.tzinfo is None:
-            parsed = parsed.replace(tzinfo=_zone(timezone))
-        when = parsed.timestamp()
     if when > now + MAX_INTERVAL_SECONDS:
         raise ScheduleError(f"time {text[:64]!r} is more than a year ahead")
+    if when < now - 86400:
+        raise ScheduleError(f"time {text[:64]!r} is more than a day in the past")
     iso = datetime.fromtimestamp(when, UTC).isoformat(timespec="seconds")
     return Schedule(ScheduleKind.AT, iso, "UTC")
 
@@ -135,7 +147,7 @@ def parse_schedule(
         )
     tz = timezone or "UTC"
     if cron:
-        return _cron(cron, tz)
+        return _cron(cron, tz, now)
     if every not in (None, ""):
         return _every(str(every))
     assert at is not None

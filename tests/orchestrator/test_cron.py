@@ -104,6 +104,9 @@ def test_interval_and_once_at() -> None:
         {"every": "sixty"},
         {"at": "tomorrow-ish"},
         {"at": "2030-01-01T00:00:00+00:00"},  # more than a year ahead
+        {"at": "0001-01-01T00:00:00+14:00"},
+        {"cron": "0 0 31 2 *"},  # never runs
+        {"cron": "0 9 * * *", "timezone": "../../etc/passwd"},
     ],
 )
 def test_unusable_schedules_say_why(kwargs: dict[str, str]) -> None:
