@@ -9,6 +9,7 @@ A fact written in one session is found by `memory_search` from a later one.
 from __future__ import annotations
 
 import importlib.util
+import os
 import shutil
 import sqlite3
 import time
@@ -22,6 +23,7 @@ import pytest
 import yaml
 
 from orchestrator.apps import install_app
+from orchestrator.archive import refresh
 from orchestrator.config import write_config_document
 from orchestrator.demo import sample_app_dir
 from orchestrator.store import CronJobId, Store
@@ -35,6 +37,8 @@ pytestmark = pytest.mark.docker
 
 APP = "cronarc"
 AGENT = "cronarc-bot"
+OFF_APP = "cronoff"
+OFF_AGENT = "cronoff-bot"
 ADMIN = "cg_cronADMINkey0123456789abcdefghijkl"
 TOOL = "python3 /run/cellgate/cellgate-tool"
 
@@ -48,8 +52,8 @@ class World:
         auth = {"Authorization": f"Bearer {ADMIN}"}
         return httpx.request(method, f"{self.gw.url}{path}", headers=auth, timeout=150, **kw)
 
-    def say(self, chat: str, text: str) -> str:
-        r = self.api("POST", f"/v1/agents/{AGENT}/chats/{chat}/messages", json={"text": text})
+    def say(self, chat: str, text: str, agent: str = AGENT) -> str:
+        r = self.api("POST", f"/v1/agents/{agent}/chats/{chat}/messages", json={"text": text})
         assert r.status_code == 200, r.text
         return str(r.json()["reply"])
 
@@ -83,14 +87,20 @@ class World:
         raise AssertionError(f"{chat}: {self.answered(chat)}; see {self.gw.log}")
 
 
-def _install(tmp: Path, docker_client: Any, base_image: str) -> Path:
-    app_dir = tmp / "app-src"
+def _app_dir(tmp: Path, name: str, agent: str, *, disable_archive: bool) -> Path:
+    app_dir = tmp / f"app-src-{name}"
     shutil.copytree(sample_app_dir(), app_dir, symlinks=True)
     manifest = yaml.safe_load((app_dir / "app.yaml").read_text())
-    manifest["name"] = APP
-    agent = manifest["services"]["agent"]
-    agent.update(name=AGENT, isolate_memory=False, disable_archive=False)
+    manifest["name"] = name
+    manifest["services"]["agent"].update(
+        name=agent, isolate_memory=False, disable_archive=disable_archive
+    )
     (app_dir / "app.yaml").write_text(yaml.safe_dump(manifest))
+    return app_dir
+
+
+def _install(tmp: Path, docker_client: Any, base_image: str) -> Path:
+    """Two non-isolated app agents: `cronarc-bot` (archive on), `cronoff-bot` (A2: off)."""
     state = tmp / "state"
     state.mkdir()
     write_gateway_id(state, RUN_ID)
@@ -103,8 +113,10 @@ def _install(tmp: Path, docker_client: Any, base_image: str) -> Path:
             "agents": [],
         },
     )
-    install_app(app_dir, config, state, docker_client, lambda _: None,
-                build_args={"BASE_IMAGE": base_image})  # fmt: skip
+    for name, agent, off in ((APP, AGENT, False), (OFF_APP, OFF_AGENT, True)):
+        install_app(_app_dir(tmp, name, agent, disable_archive=off), config, state,
+                    docker_client, lambda _: None,
+                    build_args={"BASE_IMAGE": base_image})  # fmt: skip
     return config
 
 
@@ -121,6 +133,7 @@ def world(
     finally:
         gw.stop()
         remove_app_containers(docker_client, APP)
+        remove_app_containers(docker_client, OFF_APP)
 
 
 def test_C1_prompt_jobs_run_on_schedule_survive_a_restart_and_a_missed_run_runs_once(
@@ -177,3 +190,43 @@ def test_A1_memory_search_finds_a_fact_written_in_an_earlier_session(world: Worl
     assert kb.exists()
     escaped = world.say("mem-b", f'{TOOL} memory_get \'{{"file": "../config.json"}}\'')
     assert "A1" in escaped and ADMIN not in escaped, escaped
+
+
+NAMES = (
+    ' | python3 -c "import json,sys; '
+    "print(' '.join(t['name'] for t in json.load(sys.stdin)['tools']))\""
+)
+NOTE = "grep -c 'MEMORY RETRIEVAL' ~/.claude/CLAUDE.md"
+
+
+def test_A1_a_session_searches_the_archive_refreshed_at_its_spawn(world: World) -> None:
+    memory = world.state / "agents" / AGENT / "workspace" / "memory"
+    memory.mkdir(exist_ok=True)
+    (memory / "garden.md").write_text("# Garden\n\nThe lemon tree was planted in March.\n")
+    out = world.say("arc-a", f"{TOOL} list_tools{NAMES}; {NOTE}; "
+                    f"{TOOL} memory_search '{{\"query\": \"lemon tree\"}}'")  # fmt: skip
+    names, note = out.split("\n")[:2]
+    assert {"memory_search", "memory_get", "cron_create"} <= set(names.split()), out
+    assert note == "1", out  # the retrieval note is in the composed CLAUDE.md
+    assert '"file": "memory/garden.md"' in out and '"line": 3' in out, out
+
+
+def test_A2_disable_archive_no_index_no_tools_no_note_old_kb_untouched(world: World) -> None:
+    kb = world.state / "agents" / OFF_AGENT / "kb.sqlite"
+    ws = world.state / "agents" / OFF_AGENT / "workspace"
+    (ws / "memory").mkdir(exist_ok=True)
+    (ws / "memory" / "note.md").write_text("the spare key is under the blue pot\n")
+    out = world.say("off-a", f"{TOOL} list_tools{NAMES}; {NOTE}", OFF_AGENT)
+    names, note = out.split("\n")[:2]
+    assert not {"memory_search", "memory_get"} & set(names.split()), out
+    assert "cron_create" in names.split(), out  # A2 does not turn isolation on
+    assert note == "0", out
+    assert not kb.exists()  # no index built at spawn
+    refresh(kb, ws)  # an archive from before disableArchive was turned on
+    os.utime(kb, (1_000_000_000, 1_000_000_000))
+    before = os.stat(kb)
+    (ws / "memory" / "note.md").write_text("changed: the key is now in the mailbox\n")
+    refused = world.say("off-b", f'{TOOL} memory_search \'{{"query": "key"}}\'', OFF_AGENT)
+    assert "A2" in refused and "blue pot" not in refused, refused
+    after = os.stat(kb)
+    assert (after.st_mtime_ns, after.st_size) == (before.st_mtime_ns, before.st_size)
