@@ -13,7 +13,7 @@ workspace, never inside it: no sandbox mounts it.
 
 The memory files are sandbox-writable: each is read through
 `orchestrator.safefs` (no link followed, never a FIFO or device opened, at
-most `FILE_CAP_BYTES` of one file, `TOTAL_CAP_BYTES` per refresh, at most
+most `FILE_CAP_BYTES` of one file, `TOTAL_CAP_BYTES` in the whole index, at most
 `MAX_FILES` files and `MAX_DIR_ENTRIES` directory entries looked at). A file
 left out is logged and stays out of the index.
 """
@@ -200,7 +200,11 @@ def refresh(kb: Path, workspace: Path) -> RefreshStats:
                 r[0]: (r[1], r[2], r[3])
                 for r in db.execute("SELECT path, size, mtime_ns, ino FROM files")
             }
-            budget, read = TOTAL_CAP_BYTES, 0
+            unchanged = {
+                s.rel for s in sources if known.get(s.rel) == (s.size, s.mtime_ns, s.ino)
+            }
+            kept = sum(min(known[rel][0], FILE_CAP_BYTES) for rel in unchanged)
+            budget, read = TOTAL_CAP_BYTES - kept, 0  # the whole index holds at most this
             db.execute("BEGIN IMMEDIATE")
             try:
                 current = {s.rel for s in sources}
@@ -209,7 +213,7 @@ def refresh(kb: Path, workspace: Path) -> RefreshStats:
                     db.execute("DELETE FROM chunks WHERE path = ?", (rel,))
                     db.execute("DELETE FROM files WHERE path = ?", (rel,))
                 for src in sources:
-                    if known.get(src.rel) == (src.size, src.mtime_ns, src.ino):
+                    if src.rel in unchanged:
                         continue
                     if budget <= 0:
                         skipped += 1

@@ -189,3 +189,16 @@ def test_A1_memory_get_refuses_a_symlink_and_a_fifo(state: Path, tmp_path: Path)
         assert err.value.rule == "A1" and "hunter2" not in err.value.reason
     with pytest.raises(FileNotFoundError):
         excerpt(ws_of(state), "memory/missing.md")
+
+
+def test_R3_the_whole_index_is_bounded_across_refreshes(
+    state: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(archive_index, "FILE_CAP_BYTES", 1000)
+    monkeypatch.setattr(archive_index, "TOTAL_CAP_BYTES", 3000)
+    kb = kb_path(state, "bot")
+    for i in range(10):  # one new 1000-byte file per spawn
+        (ws_of(state) / "memory" / f"grow{i}.md").write_text(f"token{i} " + "x" * 990)
+        refresh(kb, ws_of(state))
+    found = [i for i in range(10) if search(kb, f"token{i}")]
+    assert len(found) <= 3  # never more than the cap, however many spawns added files
