@@ -200,9 +200,7 @@ def refresh(kb: Path, workspace: Path) -> RefreshStats:
                 r[0]: (r[1], r[2], r[3])
                 for r in db.execute("SELECT path, size, mtime_ns, ino FROM files")
             }
-            unchanged = {
-                s.rel for s in sources if known.get(s.rel) == (s.size, s.mtime_ns, s.ino)
-            }
+            unchanged = {s.rel for s in sources if known.get(s.rel) == (s.size, s.mtime_ns, s.ino)}
             kept = sum(min(known[rel][0], FILE_CAP_BYTES) for rel in unchanged)
             budget, read = TOTAL_CAP_BYTES - kept, 0  # the whole index holds at most this
             db.execute("BEGIN IMMEDIATE")
