@@ -10,6 +10,7 @@
     ├── Throttled(rule, reason, retry_after)    admission refused a message (R4)
     ├── SandboxesBusy(reason)                   no sandbox may start now (R4)
     ├── PolicyDenied(rule, reason)              a policy refused an action
+    ├── ScheduleError(reason)                   a cron job's schedule or fields are unusable
     ├── BridgeError(code, reason)               a bridge tool call was malformed or failed
     ├── UnsafePath(rel, kind, reason)           a path a sandbox can write is not a plain
     │                                           file or directory (link, FIFO, ...); not used
@@ -114,6 +115,14 @@ class PolicyDenied(CellgateError):
         self.rule = rule
         self.reason = reason
         super().__init__(f"refused by {rule}: {reason}")
+
+
+class ScheduleError(CellgateError):
+    """A cron job's schedule (expression, interval, time, time zone) or a field is unusable."""
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+        super().__init__(reason)
 
 
 class SandboxError(CellgateError):

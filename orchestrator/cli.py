@@ -1,4 +1,4 @@
-"""`cellgate`: serve, demo, doctor, apps install, keys."""
+"""`cellgate`: serve, demo, doctor, apps install, keys, cron."""
 
 from __future__ import annotations
 
@@ -378,6 +378,10 @@ def parser() -> argparse.ArgumentParser:
     kr.add_argument("id")
     kr.add_argument("--config", required=True)
     kr.set_defaults(func=_cmd_keys_revoke)
+
+    from orchestrator.cron.cli import register as register_cron
+
+    register_cron(sub)  # cron add | list | pause | resume | delete (C1, C2)
     return p
 
 

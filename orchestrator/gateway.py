@@ -4,6 +4,7 @@
                                                   │              └─ bridge ─▶ GatewayOutbox
                                                   └─ ReplyDelivery ──▶ channel
     Heartbeats ──▶ TurnRunner          SandboxKeeper: reconcile at start, idle reaper
+    CronScheduler ──▶ Intake (prompt jobs) / host command (C1, C2)
 
 - `agents.Agents`: each agent's config, harness, app and sandboxes.
 - `intake.Intake`: accept and store a message from any channel (D1).
@@ -13,6 +14,7 @@
 - `delivery`: bridge deliveries and the final reply into its chat.
 - `heartbeats.Heartbeats`: periodic turns (M4).
 - `sandbox_keeper.SandboxKeeper`: start-up reconciliation and the reaper (D2, S5).
+- `cron`: the job service (CLI, API, `cron_*` tools) and the scheduler (C1, C2).
 
 Nothing here keeps state the store already has.
 """
@@ -30,12 +32,17 @@ from cellgate.models import ConversationKey
 from channels.base import Channel
 from orchestrator.admission import MessageGate, SandboxGate, default_max_sandboxes
 from orchestrator.agents import AgentRuntime, Agents, build_harness
+from orchestrator.archive import kb_path
 from orchestrator.bridge import BridgeServer, BuiltinTools, StoreRefusals, ToolHandlers
+from orchestrator.bridge.cron_tools import CronTools
 from orchestrator.bridge.discord_tools import DiscordTools
 from orchestrator.bridge.line_tools import LineTools
+from orchestrator.bridge.memory_tools import MemoryTools
 from orchestrator.bridge.telegram_tools import TelegramTools
 from orchestrator.channel_hub import ChannelInbox, ChannelKey, build_channels
 from orchestrator.config import GatewayConfig
+from orchestrator.cron import CronJobs, CronScheduler
+from orchestrator.cron.agents import agent_facts, agent_workdir
 from orchestrator.delivery import GatewayOutbox, ReplyDelivery
 from orchestrator.harnesses.base import TurnResult
 from orchestrator.heartbeats import Heartbeats
@@ -88,6 +95,9 @@ class Gateway:
         handlers = tools.install(ToolHandlers(refusals=StoreRefusals(self.store)))
         handlers = LineTools(tools, self.channels).install(handlers)
         handlers = DiscordTools(tools, self.channels).install(handlers)
+        self.cron_jobs = CronJobs(self.store, agent_facts(self.agents), clock=clock)  # C1, C2
+        CronTools(self.cron_jobs).install(handlers)
+        MemoryTools(lambda agent: kb_path(settings.state_dir, agent)).install(handlers)  # A1
         self.bridge = BridgeServer(TelegramTools(tools, self.channels).install(handlers))
         self.runner = TurnRunner(
             settings, self.agents, self.store, backend, self.bridge, self.outbox, clock=clock
@@ -108,6 +118,14 @@ class Gateway:
             self.loop,
             MessageGate(settings.admission, self.store, clock=clock),
         )
+        self.cron = CronScheduler(
+            self.store,
+            agent_facts(self.agents),
+            self.intake.submit,
+            clock=clock,
+            workdir=agent_workdir(self.agents, settings.state_dir),
+        )
+        self.cron_jobs.on_change = self.cron.wake
         self.inbox = ChannelInbox(self.agents, self.store, self.intake, self.loop, self.channels)
         self.heartbeats = Heartbeats(self.agents, self.store, self.loop, self.runner, clock=clock)
         self.sandboxes = SandboxKeeper(
@@ -167,11 +185,12 @@ class Gateway:
                 self.agents[agent_id].unavailable = verdict.summary
 
     def start_background(self, reaper_interval: float = 60.0) -> None:
-        """The reaper and the heartbeats, supervised: a failing pass is logged and retried."""
+        """The reaper, heartbeats and cron, supervised: a failing pass is logged and retried."""
         self._background += [
             asyncio.create_task(supervised("reaper", lambda: self.run_reaper(reaper_interval))),
             asyncio.create_task(supervised("heartbeats", self.run_heartbeats)),
             asyncio.create_task(supervised("loop-lag", self.metrics.watch_loop)),
+            asyncio.create_task(supervised("cron", self.cron.run_forever)),  # C1, missed runs
         ]
         if self.config_path is not None:  # L5: config changes without a restart
             self.reloader.install_sighup()

@@ -22,6 +22,7 @@ from cellgate.errors import CellgateError, SandboxSpent, TurnTimeout
 from cellgate.models import ConversationKey
 from orchestrator.admission import SandboxGate
 from orchestrator.agents import AgentRuntime, Agents
+from orchestrator.archive import refresh_at_spawn
 from orchestrator.bounded import LruMap
 from orchestrator.bridge import BridgeScope, BridgeServer, install_client
 from orchestrator.config import GatewaySettings
@@ -185,6 +186,13 @@ class TurnRunner:
             archive_enabled=not rt.config.disable_archive,
         )
         await self.bridge.open(scope)
+        await refresh_at_spawn(  # A1/A2: the archive, before the session is told of it
+            self.settings.state_dir,
+            conv.agent,
+            paths.workspace,
+            isolated=rt.started_isolated,
+            disabled=rt.config.disable_archive,
+        )
         system_prompt = await asyncio.to_thread(
             self.compose, rt, paths.workspace, paths.chat_dir, conv.id, place.shown_workspace
         )

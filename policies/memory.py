@@ -12,6 +12,9 @@
   carry a secret are left out of the composed CLAUDE.md, with a banner saying
   why (a sandbox can write its MEMORY.md with its shell, past
   `task_memory_append`'s check); the file on disk is never rewritten.
+- A1 `archive_file`: which file `memory_get` may read: `MEMORY.md`, `USER.md`
+  or `memory/<name>.md` of the workspace, named plainly (`/workspace/` may
+  lead); `../`, other absolute paths, deeper paths and other names are refused.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ __all__ = [
     "DEFAULT_TARGET",
     "MemoryFile",
     "SecretLine",
+    "archive_file",
     "archive_index",
     "budget_banner",
     "memory_content",
@@ -191,4 +195,33 @@ def secret_banner(name: str, dropped: tuple[SecretLine, ...]) -> str | None:
         f"carry {' and '.join(kinds)}, and nothing secret may enter long-term memory (M8). "
         "Remove the value from the file; keep a note without it instead (e.g. 'the key is "
         "in the user's password manager')."
+    )
+
+
+_ARCHIVE_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]{0,99}\.md$")
+_WORKSPACE_PREFIX = "/workspace/"
+
+
+def archive_file(path: str) -> Decision:
+    """A1: may `memory_get` read `path`? The reason of an allowed one is the relative path.
+
+    Only the archive's own files: `MEMORY.md`, `USER.md`, `memory/<name>.md`.
+    Symlinks and non-regular files are refused by the reader, not here.
+    """
+    rel = path[len(_WORKSPACE_PREFIX) :] if path.startswith(_WORKSPACE_PREFIX) else path
+    parts = rel.replace("\\", "/").split("/")
+    if "\0" in rel or "\\" in rel or ".." in parts or rel.startswith(("/", "~")):
+        return deny(
+            "A1",
+            f"{_show(path)} leaves the memory archive; memory_get reads MEMORY.md, USER.md "
+            "or memory/<name>.md",
+        )
+    if rel in ("MEMORY.md", "USER.md"):
+        return allow("A1", rel)
+    if len(parts) == 2 and parts[0] == "memory" and _ARCHIVE_NAME.fullmatch(parts[1]):
+        return allow("A1", rel)
+    return deny(
+        "A1",
+        f"{_show(path)} is not a file of the memory archive; memory_get reads MEMORY.md, "
+        "USER.md or memory/<name>.md (use the file a memory_search hit names)",
     )

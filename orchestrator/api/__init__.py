@@ -4,7 +4,8 @@
 
 Routers, one per resource: `chat` (send a message), `chats` (an agent's
 chats, sessions, messages, search, active days, inject), `media`, `shares`,
-`artifacts` (`/v1/image-artifacts`), `keys`, `telegram` (the webhook, W2), `line`
+`artifacts` (`/v1/image-artifacts`), `keys`, `cron` (an agent's cron jobs, C1, C2),
+`telegram` (the webhook, W2), `line`
 (the webhook, W2, and the expiring `line_image` URLs, P5), `apps` (`/api/v1/apps`:
 install, inspect, update, ..., restore; admin keys).
 Who may call what is decided in
@@ -25,6 +26,7 @@ from orchestrator.api import (
     artifacts,
     chat,
     chats,
+    cron,
     dashboard,
     keys,
     line,
@@ -61,6 +63,7 @@ def create_app(gateway: Gateway) -> FastAPI:
     for module in (
         chat,
         chats,
+        cron,
         media,
         shares,
         artifacts,

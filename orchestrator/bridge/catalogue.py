@@ -21,7 +21,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["BUILTIN_TOOLS", "ToolDef", "builtin", "object_schema"]
+__all__ = ["BUILTIN_TOOLS", "CRON_TOOLS", "MEMORY_TOOLS", "ToolDef", "builtin", "object_schema"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -158,3 +158,70 @@ _BY_NAME = {t.name: t for t in BUILTIN_TOOLS}
 def builtin(name: str) -> ToolDef:
     """The catalogue entry of a standard tool; KeyError for any other name."""
     return _BY_NAME[name]
+
+
+# The cron and archive tools (C1, A1): offered to a non-isolated agent only
+# (`policies.tools`, T2), the archive tools only while its archive is on (A2).
+# Registered by `bridge.cron_tools` and `bridge.memory_tools`.
+
+_SCHEDULE = {
+    "cron": "a cron expression of five fields, e.g. '0 9 * * 1-5' (in 'timezone')",
+    "timezone": "IANA time zone of 'cron' or a bare 'at' time, e.g. 'Asia/Bangkok'; omit: UTC",
+    "every": "seconds between runs, at least 60",
+    "at": "once, at an ISO 8601 time ('2026-12-24T18:00') or relative ('+15m', '+2h')",
+}
+_JOB_ID = "the job's id (cron_...), as cron_list shows it"
+
+CRON_TOOLS: tuple[ToolDef, ...] = (
+    ToolDef(
+        "cron_create",
+        "Schedule a prompt to be sent to you in this conversation later, once or repeatedly. "
+        "Give exactly one of cron, every or at.",
+        object_schema(
+            ("prompt",),
+            prompt="what you will be told when the job runs",
+            name="a short name for the job",
+            type="'prompt' (the default); 'command' runs on the host and is refused for app agents",
+            **_SCHEDULE,
+        ),
+    ),
+    ToolDef(
+        "cron_list",
+        "The agent's scheduled jobs and when each runs next.",
+        {"type": "object", "properties": {}, "additionalProperties": False},
+    ),
+    ToolDef("cron_pause", "Pause a scheduled job.", object_schema(("job_id",), job_id=_JOB_ID)),
+    ToolDef("cron_resume", "Resume a paused job.", object_schema(("job_id",), job_id=_JOB_ID)),
+    ToolDef("cron_delete", "Delete a scheduled job.", object_schema(("job_id",), job_id=_JOB_ID)),
+)
+
+MEMORY_TOOLS: tuple[ToolDef, ...] = (
+    ToolDef(
+        "memory_search",
+        "Search the memory archive (MEMORY.md, USER.md, memory/*.md) for notes; ranked "
+        "snippets, each with its file and line.",
+        {
+            "type": "object",
+            "properties": {
+                "query": {"type": "string", "description": "words to look for"},
+                "limit": {"type": ["integer", "string"], "description": "hits, 1-20 (8)"},
+            },
+            "required": ["query"],
+            "additionalProperties": False,
+        },
+    ),
+    ToolDef(
+        "memory_get",
+        "Read an excerpt of a memory file (MEMORY.md, USER.md or memory/<name>.md).",
+        {
+            "type": "object",
+            "properties": {
+                "file": {"type": "string", "description": "the file a memory_search hit names"},
+                "line": {"type": ["integer", "string"], "description": "first line (1)"},
+                "lines": {"type": ["integer", "string"], "description": "how many, up to 200"},
+            },
+            "required": ["file"],
+            "additionalProperties": False,
+        },
+    ),
+)

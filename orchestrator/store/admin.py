@@ -26,6 +26,7 @@ from orchestrator.store.models import (
     CronType,
     KeyId,
     Refusal,
+    ScheduleKind,
     SessionId,
 )
 from orchestrator.store.resources import ResourcesMixin
@@ -46,6 +47,16 @@ def _cron(row: sqlite3.Row) -> CronJob:
         enabled=bool(row["enabled"]),
         created_at=ts(row["created_at"]),
         last_run_at=opt_ts(row["last_run_at"]),
+        name=row["name"],
+        schedule_kind=ScheduleKind(row["schedule_kind"]),
+        timezone=row["timezone"],
+        channel=row["channel"],
+        chat_id=row["chat_id"],
+        timeout_seconds=float(row["timeout_seconds"]),
+        next_run_at=opt_ts(row["next_run_at"]),
+        runs=int(row["runs"]),
+        last_status=row["last_status"],
+        last_output=row["last_output"],
     )
 
 
@@ -89,14 +100,23 @@ class AdminMixin(ResourcesMixin):
         *,
         one_shot: bool = False,
         enabled: bool = True,
+        name: str = "",
+        schedule_kind: ScheduleKind = ScheduleKind.CRON,
+        timezone: str = "UTC",
+        channel: str | None = None,
+        chat_id: str | None = None,
+        timeout_seconds: float = 60.0,
+        next_run_at: float | None = None,
     ) -> CronJob:
         job_id = CronJobId("cron_" + secrets.token_hex(8))
         with self._db.write() as c:
             row = c.execute(
                 "INSERT INTO cron_jobs (id, agent, type, schedule, payload, one_shot, enabled,"
-                " created_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?) RETURNING *",
-                (job_id, agent, type, schedule, payload, one_shot, enabled, self._now()),
-            ).fetchone()
+                " created_at, name, schedule_kind, timezone, channel, chat_id, timeout_seconds,"
+                " next_run_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) RETURNING *",
+                (job_id, agent, type, schedule, payload, one_shot, enabled, self._now(), name,
+                 schedule_kind, timezone, channel, chat_id, timeout_seconds, next_run_at),
+            ).fetchone()  # fmt: skip
         return _cron(row)
 
     def get_cron_job(self, job_id: CronJobId) -> CronJob | None:
@@ -113,6 +133,30 @@ class AdminMixin(ResourcesMixin):
             ).fetchall()
         return [_cron(r) for r in rows]
 
+    def count_cron_jobs(self, agent: str) -> int:
+        with self._db.read() as c:
+            return int(
+                c.execute("SELECT count(*) FROM cron_jobs WHERE agent = ?", (agent,)).fetchone()[0]
+            )
+
+    def due_cron_jobs(self, now: float, limit: int = 100) -> list[CronJob]:
+        """Enabled jobs due at `now`, oldest due first. Read only (C1: a skipped job stays)."""
+        with self._db.read() as c:
+            rows = c.execute(
+                "SELECT * FROM cron_jobs WHERE enabled AND next_run_at IS NOT NULL"
+                " AND next_run_at <= ? ORDER BY next_run_at, rowid LIMIT ?",
+                (now, limit),
+            ).fetchall()
+        return [_cron(r) for r in rows]
+
+    def next_cron_due(self) -> float | None:
+        """The earliest `next_run_at` of an enabled job, or None."""
+        with self._db.read() as c:
+            row = c.execute(
+                "SELECT min(next_run_at) FROM cron_jobs WHERE enabled AND next_run_at IS NOT NULL"
+            ).fetchone()
+        return opt_ts(row[0])
+
     def update_cron_job(
         self,
         job_id: CronJobId,
@@ -120,36 +164,62 @@ class AdminMixin(ResourcesMixin):
         schedule: str | None = None,
         payload: str | None = None,
         enabled: bool | None = None,
+        next_run_at: float | None = None,
     ) -> CronJob:
         with self._db.write() as c:
             row = c.execute(
                 "UPDATE cron_jobs SET schedule = coalesce(?, schedule),"
-                " payload = coalesce(?, payload), enabled = coalesce(?, enabled)"
+                " payload = coalesce(?, payload), enabled = coalesce(?, enabled),"
+                " next_run_at = coalesce(?, next_run_at)"
                 " WHERE id = ? RETURNING *",
-                (schedule, payload, enabled, job_id),
+                (schedule, payload, enabled, next_run_at, job_id),
             ).fetchone()
         if row is None:
             raise NotFound("cron job", job_id)
         return _cron(row)
 
-    def mark_cron_run(self, job_id: CronJobId) -> CronJob:
-        """The scheduler ran an enabled job; a one-shot job is used up (disabled) by this."""
+    def mark_cron_run(
+        self,
+        job_id: CronJobId,
+        *,
+        next_run_at: float | None = None,
+        status: str | None = None,
+        due: float | None = None,
+    ) -> CronJob:
+        """The scheduler ran an enabled job; a one-shot job is used up (disabled) by this.
+
+        `next_run_at` is when a recurring job is due next (kept if None). With
+        `due`, the row changes only if it is still due then: a run that raced a
+        pause, a delete or another gateway changes nothing (`StateConflict`).
+        """
         with self._db.write() as c:
             row = c.execute(
-                "UPDATE cron_jobs SET last_run_at = ?,"
+                "UPDATE cron_jobs SET last_run_at = ?, runs = runs + 1,"
+                " last_status = coalesce(?, last_status),"
+                " next_run_at = CASE WHEN one_shot THEN NULL"
+                "   ELSE coalesce(?, next_run_at) END,"
                 " enabled = CASE WHEN one_shot THEN 0 ELSE enabled END"
-                " WHERE id = ? AND enabled RETURNING *",
-                (self._now(), job_id),
+                " WHERE id = ? AND enabled AND (? IS NULL OR next_run_at = ?) RETURNING *",
+                (self._now(), status, next_run_at, job_id, due, due),
             ).fetchone()
             if row is None:
                 raise conflict(
                     c,
                     kind="cron job",
-                    sql="SELECT 'disabled' FROM cron_jobs WHERE id = ?",
+                    sql="SELECT CASE WHEN enabled THEN 'ran already' ELSE 'disabled' END"
+                    " FROM cron_jobs WHERE id = ?",
                     key=job_id,
-                    expected="enabled",
+                    expected="enabled and due",
                 )
         return _cron(row)
+
+    def record_cron_result(self, job_id: CronJobId, status: str, output: str) -> None:
+        """What the last run of a job did (a command's exit and its capped output)."""
+        with self._db.write() as c:
+            c.execute(
+                "UPDATE cron_jobs SET last_status = ?, last_output = ? WHERE id = ?",
+                (status, output, job_id),
+            )
 
     def delete_cron_job(self, job_id: CronJobId) -> bool:
         with self._db.write() as c:

@@ -163,8 +163,18 @@ class Share:
         return self.revoked_at is None
 
 
+class ScheduleKind(enum.StrEnum):
+    """How a job's `schedule` reads: a cron expression, seconds between runs, one time."""
+
+    CRON = "cron"
+    EVERY = "every"
+    AT = "at"
+
+
 @dataclass(frozen=True, slots=True)
 class CronJob:
+    """A scheduled job (C1, C2). `payload` is a prompt's text or a command's shell line."""
+
     id: CronJobId
     agent: str
     type: CronType
@@ -174,6 +184,18 @@ class CronJob:
     enabled: bool
     created_at: float
     last_run_at: float | None
+    name: str = ""
+    schedule_kind: ScheduleKind = ScheduleKind.CRON
+    timezone: str = "UTC"
+    channel: str | None = None
+    chat_id: str | None = None
+    """A prompt job's conversation; None for a command job."""
+    timeout_seconds: float = 60.0
+    next_run_at: float | None = None
+    """When it is due next; None: never (a used-up one-shot job)."""
+    runs: int = 0
+    last_status: str | None = None
+    last_output: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

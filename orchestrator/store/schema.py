@@ -223,5 +223,32 @@ _V_DISCORD_THREADS = (
     """,
 )
 
-MIGRATIONS: tuple[tuple[str, ...], ...] = (_V1, _V_CHANNELS, _V_API_KEYS, _V_DISCORD_THREADS)
+# C1, C2: cron jobs as the scheduler runs them. `schedule_kind` says how
+# `schedule` reads (a cron expression in `timezone`, an interval in seconds, or
+# one ISO 8601 time); a prompt job's turn runs in the conversation
+# (`channel`, `chat_id`); `next_run_at` is when it is due next, kept across
+# restarts so a run missed while the gateway was down runs once at start.
+# A job the scheduler may not run (C1) keeps every column as it was.
+_V_CRON = (
+    "ALTER TABLE cron_jobs ADD COLUMN name TEXT NOT NULL DEFAULT ''",
+    "ALTER TABLE cron_jobs ADD COLUMN schedule_kind TEXT NOT NULL DEFAULT 'cron'"
+    " CHECK (schedule_kind IN ('cron', 'every', 'at'))",
+    "ALTER TABLE cron_jobs ADD COLUMN timezone TEXT NOT NULL DEFAULT 'UTC'",
+    "ALTER TABLE cron_jobs ADD COLUMN channel TEXT",
+    "ALTER TABLE cron_jobs ADD COLUMN chat_id TEXT",
+    "ALTER TABLE cron_jobs ADD COLUMN timeout_seconds REAL NOT NULL DEFAULT 60",
+    "ALTER TABLE cron_jobs ADD COLUMN next_run_at REAL",
+    "ALTER TABLE cron_jobs ADD COLUMN runs INTEGER NOT NULL DEFAULT 0",
+    "ALTER TABLE cron_jobs ADD COLUMN last_status TEXT",
+    "ALTER TABLE cron_jobs ADD COLUMN last_output TEXT",
+    "CREATE INDEX cron_jobs_due ON cron_jobs (enabled, next_run_at)",
+)
+
+MIGRATIONS: tuple[tuple[str, ...], ...] = (
+    _V1,
+    _V_CHANNELS,
+    _V_API_KEYS,
+    _V_DISCORD_THREADS,
+    _V_CRON,
+)
 SCHEMA_VERSION = len(MIGRATIONS)

@@ -15,6 +15,9 @@ from orchestrator.store.models import (
     Attachment,
     Conversation,
     ConversationId,
+    CronJob,
+    CronJobId,
+    CronType,
     Message,
     MessageId,
     MessageState,
@@ -22,6 +25,7 @@ from orchestrator.store.models import (
     Reply,
     Sandbox,
     SandboxState,
+    ScheduleKind,
     Session,
     SessionId,
     Turn,
@@ -30,6 +34,7 @@ from orchestrator.store.models import (
 
 __all__ = [
     "ConversationStore",
+    "CronStore",
     "IntakeStore",
     "RefusalStore",
     "SandboxStore",
@@ -150,3 +155,58 @@ class SandboxStore(SessionStore, RefusalStore, Protocol):
     def forget_sandbox(self, name: str) -> bool: ...
 
     def sandboxes(self, app: str | None = None) -> list[Sandbox]: ...
+
+
+class CronStore(RefusalStore, Protocol):
+    """Cron jobs (C1, C2): what the job service and the scheduler touch."""
+
+    def create_cron_job(
+        self,
+        agent: str,
+        type: CronType,
+        schedule: str,
+        payload: str,
+        *,
+        one_shot: bool = False,
+        enabled: bool = True,
+        name: str = "",
+        schedule_kind: ScheduleKind = ScheduleKind.CRON,
+        timezone: str = "UTC",
+        channel: str | None = None,
+        chat_id: str | None = None,
+        timeout_seconds: float = 60.0,
+        next_run_at: float | None = None,
+    ) -> CronJob: ...
+
+    def get_cron_job(self, job_id: CronJobId) -> CronJob | None: ...
+
+    def cron_jobs(self, agent: str | None = None) -> list[CronJob]: ...
+
+    def count_cron_jobs(self, agent: str) -> int: ...
+
+    def due_cron_jobs(self, now: float, limit: int = 100) -> list[CronJob]: ...
+
+    def next_cron_due(self) -> float | None: ...
+
+    def update_cron_job(
+        self,
+        job_id: CronJobId,
+        *,
+        schedule: str | None = None,
+        payload: str | None = None,
+        enabled: bool | None = None,
+        next_run_at: float | None = None,
+    ) -> CronJob: ...
+
+    def mark_cron_run(
+        self,
+        job_id: CronJobId,
+        *,
+        next_run_at: float | None = None,
+        status: str | None = None,
+        due: float | None = None,
+    ) -> CronJob: ...
+
+    def record_cron_result(self, job_id: CronJobId, status: str, output: str) -> None: ...
+
+    def delete_cron_job(self, job_id: CronJobId) -> bool: ...

@@ -71,7 +71,7 @@ def test_K4_a_database_from_before_the_binding_opens_with_its_api_chats_unbound(
     db.commit()
     db.close()
     with Store.open(tmp_path) as store:
-        assert SCHEMA_VERSION == 3  # v2 channels (W3), v3 API chat keys (K4)
+        assert SCHEMA_VERSION >= 3  # v2 channels (W3), v3 API chat keys (K4), v4 cron (C1)
         assert store.get_conversation(old) is not None  # kept
         assert store.api_chat_owner(old) is None
         assert store.bind_api_chat(old, "key_0123456789abcdef") is None  # stays unbound
