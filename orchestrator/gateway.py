@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, Sized
 from dataclasses import dataclass
 
 from cellgate.errors import TurnTimeout
@@ -38,6 +38,7 @@ from orchestrator.harnesses.base import TurnResult
 from orchestrator.heartbeats import Heartbeats
 from orchestrator.intake import Intake
 from orchestrator.metrics import Metrics
+from orchestrator.pool import WarmPools
 from orchestrator.runner import TurnRunner, session_env
 from orchestrator.sandbox_keeper import SandboxKeeper
 from orchestrator.store import Message, Store
@@ -119,6 +120,15 @@ class Gateway:
             self.sandboxes.evict,
             self.store,
         )
+        self.pools = WarmPools(  # F1
+            [rt.sandboxes for rt in self.agents.values() if rt.sandboxes is not None],
+            settings.pool,
+            backend,
+            settings.state_dir,
+            self.gateway_id,
+            max_sandboxes=lambda: self.runner.gate.max_sandboxes if self.runner.gate else 1 << 30,
+            live=lambda: _count(self.sandboxes.live()),
+        )
         self._started = False
         self._background: list[asyncio.Task[None]] = []
 
@@ -152,6 +162,7 @@ class Gateway:
             asyncio.create_task(supervised("reaper", lambda: self.run_reaper(reaper_interval))),
             asyncio.create_task(supervised("heartbeats", self.run_heartbeats)),
             asyncio.create_task(supervised("loop-lag", self.metrics.watch_loop)),
+            *(asyncio.create_task(supervised("pool", p.run_forever)) for p in self.pools.pools),
         ]
 
     async def close(self) -> None:
@@ -233,3 +244,7 @@ class Gateway:
 
     async def run_reaper(self, interval: float = 60.0) -> None:
         await self.reaper().run_forever(interval)
+
+
+async def _count(items: Awaitable[Sized]) -> int:
+    return len(await items)
