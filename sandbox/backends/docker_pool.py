@@ -10,6 +10,7 @@ appears inside, nothing flows back.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from typing import Any
 
 import docker
@@ -22,7 +23,7 @@ from sandbox.backends.docker import DockerBackend, create_kwargs, observe
 from sandbox.mountplan import MountPlan
 from sandbox.pool import read_view, view_violations
 from sandbox.spec import SandboxSpec
-from sandbox.verify import violations
+from sandbox.verify import ObservedContainer, violations
 
 SUPPORTED_RUNTIMES = (None, "runc")
 
@@ -98,6 +99,8 @@ class DockerPoolOps:
         if attrs is None:
             raise SandboxNotFound(handle.name)
         observed = observe(attrs)
+        if plan is not None:
+            observed = _claimed_view(spec, observed, plan)
         found = violations(spec, observed)
         if not observed.running:
             found.append("the sandbox is not running")
@@ -108,3 +111,24 @@ class DockerPoolOps:
             except OSError as exc:
                 raise SandboxError(f"cannot read {handle.name}'s mounts: {exc}") from exc
         return found
+
+
+def _claimed_view(
+    spec: SandboxSpec, observed: ObservedContainer, plan: MountPlan
+) -> ObservedContainer:
+    """The host sees a slot directory through the bind a claim put on top of it: such a
+    slot mount counts as the slot itself iff it shows exactly the planned source."""
+    slots = spec.plan.by_target()
+    planned = plan.by_target()
+    mounts = []
+    for m in observed.mounts:
+        slot, want = slots.get(m.target), planned.get(m.target)
+        if (
+            slot is not None
+            and want is not None
+            and m.source == slot.source
+            and m.identity == (want.kind, want.dev, want.ino)
+        ):
+            m = dataclasses.replace(m, identity=(slot.kind, slot.dev, slot.ino))
+        mounts.append(m)
+    return dataclasses.replace(observed, mounts=tuple(mounts))

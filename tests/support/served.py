@@ -31,10 +31,12 @@ def served_gateway(
     *,
     port: int | None = None,
     start: bool = False,
+    background: bool = False,
 ) -> Iterator[tuple[str, Gateway]]:
     """Yield the base URL and the gateway; stop the server and close the gateway after.
 
     `start`: run `Gateway.start` (recovery, channels) before serving, as `cellgate serve` does.
+    `background`: also its background tasks (reaper, heartbeats, warm pools), as it does too.
     """
     port = port or free_port()
     holder: dict[str, Any] = {}
@@ -45,6 +47,8 @@ def served_gateway(
         holder["gateway"] = gw
         if start:
             await gw.start()
+        if background:
+            gw.start_background()
         server = uvicorn.Server(
             uvicorn.Config(
                 create_app(gw), host="127.0.0.1", port=port, log_level="warning", lifespan="off"
