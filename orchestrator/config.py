@@ -114,6 +114,8 @@ class GatewaySettings(_Model):
     memory: MemorySettings = MemorySettings()
     admission: Admission = Admission()
     pool: PoolSettings = PoolSettings()
+    # F2: turns run through a small process resident in the sandbox (exec when it is not there)
+    resident_runner: StrictBool = Field(True, alias="residentRunner")
     turn_timeout_seconds: float = Field(120, alias="turnTimeoutSeconds", gt=0)
     max_concurrent_turns: int = Field(8, alias="maxConcurrentTurns", ge=1, le=1024)
     base_image: str | None = Field(None, alias="baseImage")

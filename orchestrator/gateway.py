@@ -39,12 +39,14 @@ from orchestrator.heartbeats import Heartbeats
 from orchestrator.intake import Intake
 from orchestrator.metrics import Metrics
 from orchestrator.pool import WarmPools
+from orchestrator.resident import ResidentBackend
 from orchestrator.runner import TurnRunner, session_env
 from orchestrator.sandbox_keeper import SandboxKeeper
 from orchestrator.store import Message, Store
 from orchestrator.supervise import supervised
 from orchestrator.turns import TurnLoop
 from sandbox.backends.base import SandboxBackend
+from sandbox.backends.docker import DockerBackend
 from sandbox.gateway_id import load_gateway_id
 from sandbox.reaper import Reaper
 from sandbox.runtime_check import check_runtimes
@@ -120,6 +122,8 @@ class Gateway:
             self.sandboxes.evict,
             self.store,
         )
+        if settings.resident_runner and isinstance(backend, DockerBackend):
+            self.runner.residents = ResidentBackend(backend)  # F2
         self.pools = WarmPools(  # F1
             [rt.sandboxes for rt in self.agents.values() if rt.sandboxes is not None],
             settings.pool,
@@ -175,6 +179,8 @@ class Gateway:
         for channel in self.channels.values():
             await channel.stop()
         await self.bridge.close_all()
+        if self.runner.residents is not None:
+            await self.runner.residents.close()
         await self.backend.close()
         self.store.close()
 

@@ -105,6 +105,7 @@ class WarmPool:
         self._template: SandboxSpec | None = None
         self._key: str | None = None
         self._creating: set[str] = set()
+        self._claiming: set[str] = set()
         self._said: set[str] = set()
         self.refusal = late_bind_refusal(sandboxes.settings.runtime)
         if settings.size == 0:
@@ -161,6 +162,7 @@ class WarmPool:
         return pooled.handle
 
     async def _bind(self, pooled: Pooled, spec: SandboxSpec) -> SandboxHandle | None:
+        self._claiming.add(pooled.slot.id)  # the sweep leaves a slot being claimed alone
         try:
             await asyncio.to_thread(self.binder.bind_plan, pooled.slot, spec.plan)
             self.claimed[spec.conversation] = Claimed(pooled, spec.plan)
@@ -170,6 +172,8 @@ class WarmPool:
             self.claimed.pop(spec.conversation, None)
             await self._retire(pooled)
             return None
+        finally:
+            self._claiming.discard(pooled.slot.id)
         logger.info(
             "sandbox %s claimed from the pool",
             pooled.handle.name,
@@ -228,7 +232,7 @@ class WarmPool:
         try:
             spec = await asyncio.to_thread(pooled_spec, template, slot)
             handle = await self.ops.create(spec)
-        except CellgateError as exc:
+        except (CellgateError, OSError) as exc:
             logger.warning("could not start a pooled sandbox for %s: %s", template.app, exc)
             await asyncio.to_thread(self.binder.release, slot)
             return False
@@ -259,7 +263,7 @@ class WarmPool:
                 self.ready.remove(p)
         held = {p.slot.id for p in self.ready} | {c.pooled.slot.id for c in self.claimed.values()}
         for slot_id in await asyncio.to_thread(self.binder.slot_ids):
-            if slot_id in held or slot_id in self._creating:
+            if slot_id in held or slot_id in self._creating or slot_id in self._claiming:
                 continue
             if f"{app}{POOL_NAME_INFIX}{slot_id}" in names:
                 continue

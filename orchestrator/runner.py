@@ -35,6 +35,7 @@ from orchestrator.harnesses.base import (
 )
 from orchestrator.memory import compose_claude_md, write_session_files
 from orchestrator.metrics import Stage
+from orchestrator.resident import ResidentBackend
 from orchestrator.safefs import audit_left_out
 from orchestrator.store import Conversation, ConversationId, Message, MessageId, SessionId
 from orchestrator.store.views import SandboxStore
@@ -115,6 +116,7 @@ class TurnRunner:
         self.clock = clock
         self.outcomes = Outcomes()
         self.observe: Callable[[Stage, str, float], None] = lambda *_: None  # metrics (O2)
+        self.residents: ResidentBackend | None = None  # F2: turns through a resident runner
 
     async def session_for(self, conv: Conversation, rt: AgentRuntime) -> SessionId:
         """The conversation's live session, or a new one."""
@@ -193,6 +195,8 @@ class TurnRunner:
             archive_enabled=not rt.config.disable_archive,
         )
         await self.bridge.open(scope)
+        if self.residents is not None:
+            await self.residents.ready(prepared.handle, paths.bridge_dir, prepared.spec)
         system_prompt = await asyncio.to_thread(
             self.compose, rt, paths.workspace, paths.chat_dir, conv.id
         )
@@ -210,7 +214,7 @@ class TurnRunner:
         ctx = SessionContext(
             conversation=key,
             session_key=session_id,
-            backend=self.backend,
+            backend=self.residents or self.backend,
             sandbox=prepared.handle,
             env=session_env(key, prepared.spec.home),
             workdir=prepared.spec.workdir,

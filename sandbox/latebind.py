@@ -298,7 +298,7 @@ def _prune(path: Path, mounted: set[str], depth: int) -> bool:
             clean = False
         elif e.is_dir(follow_symlinks=False):
             clean = _prune(p, mounted, depth + 1) and clean
-        elif e.is_file(follow_symlinks=False) and e.stat(follow_symlinks=False).st_size == 0:
+        elif e.is_file(follow_symlinks=False) and _empty(p):
             _remove_empty(p)
         else:
             clean = False
@@ -308,3 +308,10 @@ def _prune(path: Path, mounted: set[str], depth: int) -> bool:
         except OSError:
             return False
     return clean
+
+
+def _empty(path: Path) -> bool:
+    try:
+        return os.lstat(path).st_size == 0
+    except FileNotFoundError:
+        return True

@@ -19,7 +19,7 @@ import docker.types
 
 from cellgate.errors import MountVerificationFailed, SandboxError
 from sandbox.backends.base import SandboxHandle, SandboxNotFound
-from sandbox.backends.docker import DockerBackend, create_kwargs, observe
+from sandbox.backends.docker import DockerBackend, _ExecJob, create_kwargs, observe
 from sandbox.mountplan import MountPlan
 from sandbox.pool import read_view, view_violations
 from sandbox.spec import SandboxSpec
@@ -82,6 +82,23 @@ class DockerPoolOps:
         """Whether a container of that name exists (a conversation's own, from before)."""
         attrs = await self.backend._call(f"look up {name}", lambda: self.backend._lookup(name))
         return attrs is not None
+
+    async def launch(self, handle: SandboxHandle, user: str, argv: list[str]) -> None:
+        """Start `argv` detached in the sandbox as `user` (its resident runner, F2)."""
+
+        def start() -> None:
+            api = self.backend._client.api
+            created = api.exec_create(handle.container_id, argv, user=user)
+            api.exec_start(created["Id"], detach=True)
+
+        await self.backend._call(f"start the runner in {handle.name}", start)
+
+    async def kill_marked(self, handle: SandboxHandle, user: str, marker: str) -> None:
+        """Kill what a runner's timed-out command left, by its exec marker (as exec does)."""
+        job = _ExecJob(handle.container_id, user, [], {}, None, 0.0, None)
+        await self.backend._call(
+            f"kill in {handle.name}", lambda: self.backend._kill_marked(job, marker)
+        )
 
     async def check(self, spec: SandboxSpec, handle: SandboxHandle, plan: MountPlan | None) -> None:
         """S4, R5: the engine's view against the pooled spec, and (with `plan`) the
