@@ -93,7 +93,7 @@ class RunnerSocket:
         return stat.S_ISSOCK(st.st_mode) and (st.st_dev, st.st_ino) == self._inode
 
     async def _on_connect(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        if self._conn is not None and not self._conn[1].is_closing():
+        if self.ready:
             writer.close()  # one runner at a time; a second caller is turned away
             return
         self._conn = (reader, writer)
@@ -101,7 +101,14 @@ class RunnerSocket:
 
     @property
     def ready(self) -> bool:
-        return self._conn is not None and not self._conn[1].is_closing()
+        """A runner is connected and has not hung up (its EOF arrives as soon as it dies)."""
+        if self._conn is None:
+            return False
+        reader, writer = self._conn
+        if writer.is_closing() or reader.at_eof():
+            self.drop()
+            return False
+        return True
 
     def drop(self) -> None:
         if self._conn is not None:
