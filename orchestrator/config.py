@@ -77,6 +77,23 @@ class Admission(_Model):
     retry_after: float = Field(30, alias="retryAfterSeconds", gt=0)
 
 
+class PoolSettings(_Model):
+    """F1: hardened sandboxes started ahead per app, handed to new conversations.
+
+    `size` are kept ready per app (0 turns the pool off); `max` bounds the
+    pooled sandboxes of one app, ready or starting. Both live inside
+    `limits.maxSandboxes` (R4)."""
+
+    size: int = Field(2, ge=0, le=1024)
+    max: int = Field(8, ge=0, le=1024)
+
+    @model_validator(mode="after")
+    def _size_fits(self) -> PoolSettings:
+        if self.size > self.max:
+            raise ValueError(f"pool size {self.size} is above its max {self.max}")
+        return self
+
+
 class MemorySettings(_Model):
     memory_budget_chars: int = Field(8000, alias="memoryBudgetChars", ge=0)
     user_budget_chars: int = Field(3000, alias="userBudgetChars", ge=0)
@@ -96,6 +113,9 @@ class GatewaySettings(_Model):
     limits: Limits = Limits()
     memory: MemorySettings = MemorySettings()
     admission: Admission = Admission()
+    pool: PoolSettings = PoolSettings()
+    # F2: turns run through a small process resident in the sandbox (exec when it is not there)
+    resident_runner: StrictBool = Field(True, alias="residentRunner")
     turn_timeout_seconds: float = Field(120, alias="turnTimeoutSeconds", gt=0)
     max_concurrent_turns: int = Field(8, alias="maxConcurrentTurns", ge=1, le=1024)
     base_image: str | None = Field(None, alias="baseImage")

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, Sized
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -48,13 +48,16 @@ from orchestrator.harnesses.base import TurnResult
 from orchestrator.heartbeats import Heartbeats
 from orchestrator.intake import Intake
 from orchestrator.metrics import Metrics
+from orchestrator.pool import WarmPools
 from orchestrator.reload import Reloader
+from orchestrator.resident import ResidentBackend
 from orchestrator.runner import TurnRunner, session_env
 from orchestrator.sandbox_keeper import SandboxKeeper
 from orchestrator.store import Conversation, Message, Store
 from orchestrator.supervise import supervised
 from orchestrator.turns import TurnAnswer, TurnLoop
 from sandbox.backends.base import SandboxBackend
+from sandbox.backends.docker import DockerBackend
 from sandbox.gateway_id import load_gateway_id
 from sandbox.reaper import Reaper
 from sandbox.runtime_check import check_runtimes
@@ -150,6 +153,17 @@ class Gateway:
             config_path, config, self.agents, self.store, backend, self.gateway_id, self.loop,
             self.sandboxes.remove_app, self._config_changed,
         )  # fmt: skip
+        if settings.resident_runner and isinstance(backend, DockerBackend):
+            self.runner.residents = ResidentBackend(backend)  # F2
+        self.pools = WarmPools(  # F1
+            self.agents,
+            settings.pool,
+            backend,
+            settings.state_dir,
+            self.gateway_id,
+            max_sandboxes=lambda: self.runner.gate.max_sandboxes if self.runner.gate else 1 << 30,
+            live=lambda: _count(self.sandboxes.live()),
+        )
         self._started = False
         self._background: list[asyncio.Task[None]] = []
 
@@ -191,6 +205,7 @@ class Gateway:
             asyncio.create_task(supervised("heartbeats", self.run_heartbeats)),
             asyncio.create_task(supervised("loop-lag", self.metrics.watch_loop)),
             asyncio.create_task(supervised("cron", self.cron.run_forever)),  # C1, missed runs
+            *(asyncio.create_task(supervised("pool", p.run_forever)) for p in self.pools.pools),
         ]
         if self.config_path is not None:  # L5: config changes without a restart
             self.reloader.install_sighup()
@@ -208,6 +223,8 @@ class Gateway:
         for channel in self.channels.values():
             await channel.stop()
         await self.bridge.close_all()
+        if self.runner.residents is not None:
+            await self.runner.residents.close()
         await self.backend.close()
         self.store.close()
 
@@ -277,3 +294,7 @@ class Gateway:
 
     async def run_reaper(self, interval: float = 60.0) -> None:
         await self.reaper().run_forever(interval)
+
+
+async def _count(items: Awaitable[Sized]) -> int:
+    return len(await items)

@@ -37,7 +37,9 @@ from orchestrator.harnesses.base import (
 from orchestrator.memory import compose_claude_md, write_session_files
 from orchestrator.metrics import Stage
 from orchestrator.placement import Placement
+from orchestrator.resident import ResidentBackend
 from orchestrator.safefs import audit_left_out
+from orchestrator.sandboxes import ConversationSandboxes
 from orchestrator.store import Conversation, ConversationId, Message, MessageId, SessionId
 from orchestrator.store.views import SandboxStore
 from orchestrator.transcripts import (
@@ -118,6 +120,7 @@ class TurnRunner:
         self.clock = clock
         self.outcomes = Outcomes()
         self.observe: Callable[[Stage, str, float], None] = lambda *_: None  # metrics (O2)
+        self.residents: ResidentBackend | None = None  # F2: turns through a resident runner
 
     async def session_for(self, conv: Conversation, rt: AgentRuntime) -> SessionId:
         """The conversation's live session, or a new one."""
@@ -262,7 +265,12 @@ class TurnRunner:
         finally:
             if self.gate is not None:
                 self.gate.settled(conv.id)
-        return prepared.placement()
+        place = prepared.placement()
+        if self.residents is not None and isinstance(rt.sandboxes, ConversationSandboxes):
+            # F2: the turn goes through the runner resident in its own sandbox
+            await self.residents.ready(prepared.handle, place.paths.bridge_dir, prepared.spec)
+            place = dataclasses.replace(place, backend=self.residents)
+        return place
 
     def compose(
         self,

@@ -13,6 +13,7 @@ import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 from cellgate.errors import QuotaError
 from cellgate.models import ConversationKey
@@ -120,6 +121,12 @@ class PreparedSandbox:
         )
 
 
+class SandboxPool(Protocol):
+    """F1: a pooled sandbox for the conversation of `spec`, or None (start cold)."""
+
+    async def claim(self, spec: SandboxSpec) -> SandboxHandle | None: ...
+
+
 class ConversationSandboxes:
     """Ensures the sandbox of each conversation of one app agent.
 
@@ -142,6 +149,7 @@ class ConversationSandboxes:
         self.backend = backend
         self.gateway_id = gateway_id
         self._image: ImageFacts | None = None
+        self.pool: SandboxPool | None = None  # orchestrator.pool (F1)
         self.quota, self.quota_refusal = quota_from(settings, app)
 
     async def image(self) -> ImageFacts:
@@ -191,6 +199,8 @@ class ConversationSandboxes:
         if self.quota_refusal is not None:
             raise QuotaError(self.quota_refusal)
         spec, paths = await self.spec_for(key, session_id)
-        handle = await self.backend.ensure(spec)
+        handle = await self.pool.claim(spec) if self.pool is not None else None
+        if handle is None:
+            handle = await self.backend.ensure(spec)
         logger.debug("sandbox %s ready", handle.name, extra={"conversation": key.digest})
         return PreparedSandbox(spec, paths, handle)

@@ -36,8 +36,9 @@ def served_gateway(
     """Yield the base URL and the gateway; stop the server and close the gateway after.
 
     `start`: run `Gateway.start` (recovery, channels) before serving, as `cellgate serve` does.
-    `background`: also its background tasks (reaper, heartbeats, the config watch of L5).
-    The config is prepared as `cellgate serve` does (L3: app declarations applied).
+    `background`: also its background tasks (reaper, heartbeats, warm pools, the config
+    watch of L5). The config is prepared as `cellgate serve` does (L3: app declarations
+    applied).
     """
     port = port or free_port()
     holder: dict[str, Any] = {}

@@ -1,0 +1,348 @@
+"""The warm pool of one app agent (F1): hardened sandboxes started ahead, claimed once.
+
+`WarmPool.claim(spec)` is asked by `ConversationSandboxes.ensure` before a cold
+start. For a conversation it already served it verifies that conversation's
+claimed sandbox (S4, R5: the engine's view against the pooled spec, and the
+sandbox's own mount table against the plan by device and inode); for a new
+conversation it takes a ready sandbox, binds the conversation's plan into its
+slot (`sandbox.latebind`), verifies what the claim bound, and hands it over.
+A claimed sandbox never returns to the pool: it serves one conversation and
+is removed with it (the chat A / chat B rule). It answers None, and the
+caller starts cold, when the pool is empty, the spec changed (the pool is
+drained and refilled), the runtime or host cannot late-bind (said once in the
+log), or the conversation already has a sandbox of its own.
+
+`fill` runs in the background and keeps `size` ready, never more than `max`
+per app and never beyond the gateway's sandbox cap (`room`, R4). Pooled
+sandboxes carry this gateway's id (R1), so only it reaps them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import dataclasses
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from cellgate.errors import CellgateError, MountVerificationFailed
+from orchestrator.agents import Agents
+from orchestrator.bounded import LruMap
+from orchestrator.config import PoolSettings
+from orchestrator.sandboxes import ConversationSandboxes, limits_from, sandbox_env, sandbox_user
+from sandbox.backends.base import SandboxHandle, SandboxNotFound
+from sandbox.backends.docker import DockerBackend
+from sandbox.backends.docker_pool import DockerPoolOps, late_bind_refusal
+from sandbox.latebind import LateBinder, LateBindError, Slot
+from sandbox.mountplan import MountPlan
+from sandbox.pool import POOL_NAME_INFIX, pool_key, pooled_spec
+from sandbox.spec import LABEL_APP, LABEL_GATEWAY, LABEL_MANAGED, SandboxSpec
+
+logger = logging.getLogger(__name__)
+
+COLD_MEMORY = 10_000
+REFILL_INTERVAL = 30.0
+
+Room = Callable[[], Awaitable[int]]
+
+
+@dataclass(frozen=True, slots=True)
+class Pooled:
+    slot: Slot
+    spec: SandboxSpec
+    handle: SandboxHandle
+    key: str
+
+
+@dataclass(frozen=True, slots=True)
+class Claimed:
+    pooled: Pooled
+    plan: MountPlan
+
+
+async def template_spec(sandboxes: ConversationSandboxes) -> SandboxSpec:
+    """What every conversation spec of this agent shares, with no conversation and no plan."""
+    image = await sandboxes.image()
+    app = sandboxes.app
+    return SandboxSpec(
+        name="",
+        image=app.image,
+        image_id=image.id,
+        user=sandbox_user(app.user, image.user),
+        env=sandbox_env(image.env, app.environment),
+        networks=app.networks,
+        plan=MountPlan(()),
+        limits=limits_from(sandboxes.settings),
+        runtime=sandboxes.settings.runtime,
+        app=app.name,
+        agent=app.agent,
+        conversation="",
+        gateway=sandboxes.gateway_id,
+    )
+
+
+class WarmPool:
+    def __init__(
+        self,
+        sandboxes: ConversationSandboxes,
+        settings: PoolSettings,
+        ops: DockerPoolOps,
+        binder: LateBinder,
+        *,
+        room: Room | None = None,
+        current: Callable[[], bool] = lambda: True,
+    ) -> None:
+        self.sandboxes = sandboxes
+        self.current = current  # False once its agent was restarted or dropped (L5)
+        self.settings = settings
+        self.ops = ops
+        self.binder = binder
+        self.room = room
+        self.ready: collections.deque[Pooled] = collections.deque()
+        self.claimed: dict[str, Claimed] = {}
+        self.cold: LruMap[str, bool] = LruMap(COLD_MEMORY)
+        self.wake = asyncio.Event()
+        self._template: SandboxSpec | None = None
+        self._key: str | None = None
+        self._creating: set[str] = set()
+        self._claiming: set[str] = set()
+        self._said: set[str] = set()
+        self.refusal = late_bind_refusal(sandboxes.settings.runtime)
+        if settings.size == 0:
+            self.refusal = "the pool is off (pool.size is 0)"
+
+    # -- claiming ------------------------------------------------------------
+
+    async def claim(self, spec: SandboxSpec) -> SandboxHandle | None:
+        """The verified pooled sandbox of `spec`'s conversation, or None: start cold."""
+        if self.refusal is not None:
+            self._say_once("refused", "warm pool of %s off: %s", self.refusal)
+            return None
+        conv = spec.conversation
+        mine = self.claimed.get(conv)
+        if mine is not None:
+            handle = await self._recheck(mine, spec)
+            if handle is not None:
+                return handle
+        elif self.cold.get(conv):
+            return None
+        key = pool_key(spec)
+        if key != self._key:
+            await self._retemplate(spec, key)
+            self.cold.put(conv, True)
+            return None
+        if mine is None and await self.ops.exists(spec.name):
+            self.cold.put(conv, True)  # its own sandbox from before the pool: keep it
+            return None
+        while self.ready:
+            pooled = self.ready.popleft()
+            self.wake.set()
+            handle = await self._bind(pooled, spec)
+            if handle is not None:
+                return handle
+        self._say_once("empty", "warm pool of %s empty: new conversations start cold (%s)", "F1")
+        self.cold.put(conv, True)
+        return None
+
+    async def _recheck(self, mine: Claimed, spec: SandboxSpec) -> SandboxHandle | None:
+        pooled = mine.pooled
+        if mine.plan != spec.plan:
+            logger.info("sandbox %s: the plan changed; replacing it", pooled.handle.name)
+            await self._retire(pooled)
+            return None
+        try:
+            await self.ops.check(pooled.spec, pooled.handle, mine.plan)
+        except SandboxNotFound:
+            await self._retire(pooled)
+            return None
+        except MountVerificationFailed as exc:
+            logger.warning("sandbox %s refused and removed: %s", pooled.handle.name, exc.violations)
+            await self._retire(pooled)
+            raise
+        return pooled.handle
+
+    async def _bind(self, pooled: Pooled, spec: SandboxSpec) -> SandboxHandle | None:
+        self._claiming.add(pooled.slot.id)  # the sweep leaves a slot being claimed alone
+        try:
+            await asyncio.to_thread(self.binder.bind_plan, pooled.slot, spec.plan)
+            self.claimed[spec.conversation] = Claimed(pooled, spec.plan)
+            await self.ops.check(pooled.spec, pooled.handle, spec.plan)
+        except (CellgateError, OSError) as exc:
+            logger.warning("pooled sandbox %s not claimed: %s", pooled.handle.name, exc)
+            self.claimed.pop(spec.conversation, None)
+            await self._retire(pooled)
+            return None
+        finally:
+            self._claiming.discard(pooled.slot.id)
+        logger.info(
+            "sandbox %s claimed from the pool",
+            pooled.handle.name,
+            extra={"conversation": spec.conversation},
+        )
+        return pooled.handle
+
+    async def _retire(self, pooled: Pooled) -> None:
+        """Remove the sandbox and release its slot; it is never handed out again."""
+        for conv, c in list(self.claimed.items()):
+            if c.pooled is pooled:
+                del self.claimed[conv]
+        try:
+            await self.sandboxes.backend.remove(pooled.handle.name)
+        finally:
+            await asyncio.to_thread(self.binder.release, pooled.slot)
+
+    async def _retemplate(self, spec: SandboxSpec, key: str) -> None:
+        if self._key is not None:
+            logger.info("app %s's sandbox spec changed: draining its warm pool", spec.app)
+        self._template = dataclasses.replace(spec, name="", conversation="", plan=MountPlan(()))
+        self._key = key
+        await self.drain()
+        self.wake.set()
+
+    # -- filling -------------------------------------------------------------
+
+    async def fill(self) -> int:
+        """Bring the pool up to `size` ready (within `max` and the gateway's cap); how many made."""
+        if self.refusal is not None:
+            return 0
+        if self._template is None:
+            self._template = await template_spec(self.sandboxes)
+            self._key = pool_key(self._template)
+        try:
+            await asyncio.to_thread(self.binder.setup)
+        except (LateBindError, OSError) as exc:
+            self.refusal = f"this host cannot late-bind mounts: {exc}"
+            self._say_once("refused", "warm pool of %s off: %s", self.refusal)
+            return 0
+        want = min(self.settings.size, self.settings.max) - len(self.ready) - len(self._creating)
+        if self.room is not None:
+            room = await self.room()
+            while room < 0 and self.ready:  # the cap came closer: give back pooled ones
+                await self._retire(self.ready.pop())
+                room += 1
+            want = min(want, room)
+        if want <= 0:
+            return 0
+        made = await asyncio.gather(*(self._make(self._template) for _ in range(want)))
+        return sum(made)
+
+    async def _make(self, template: SandboxSpec) -> bool:
+        slot = await asyncio.to_thread(self.binder.new_slot)
+        self._creating.add(slot.id)
+        try:
+            spec = await asyncio.to_thread(pooled_spec, template, slot)
+            handle = await self.ops.create(spec)
+        except (CellgateError, OSError) as exc:
+            logger.warning("could not start a pooled sandbox for %s: %s", template.app, exc)
+            await asyncio.to_thread(self.binder.release, slot)
+            return False
+        finally:
+            self._creating.discard(slot.id)
+        pooled = Pooled(slot, spec, handle, pool_key(template))
+        if pooled.key != self._key:
+            await self._retire(pooled)
+            return False
+        self.ready.append(pooled)
+        return True
+
+    async def drain(self) -> None:
+        """Remove every ready sandbox (claimed ones stay with their conversations)."""
+        while self.ready:
+            await self._retire(self.ready.pop())
+
+    async def sweep(self) -> None:
+        """Release slots whose sandbox is gone (removed by the reaper, evicted, spent)."""
+        app = self.sandboxes.app.name
+        labels = {LABEL_MANAGED: "1", LABEL_GATEWAY: self.sandboxes.gateway_id, LABEL_APP: app}
+        names = {i.name for i in await self.sandboxes.backend.list(labels)}
+        for conv, c in list(self.claimed.items()):
+            if c.pooled.handle.name not in names:
+                del self.claimed[conv]
+        for p in list(self.ready):
+            if p.handle.name not in names:
+                self.ready.remove(p)
+        held = {p.slot.id for p in self.ready} | {c.pooled.slot.id for c in self.claimed.values()}
+        for slot_id in await asyncio.to_thread(self.binder.slot_ids):
+            if slot_id in held or slot_id in self._creating or slot_id in self._claiming:
+                continue
+            if f"{app}{POOL_NAME_INFIX}{slot_id}" in names:
+                continue
+            await asyncio.to_thread(self.binder.release, Slot(self.binder.slots / slot_id))
+
+    async def run_forever(self, interval: float = REFILL_INTERVAL) -> None:
+        """Refill after every claim (and every `interval`); drain when cancelled."""
+        try:
+            while self.current():  # a restarted agent's old pool drains and stops
+                self.wake.clear()
+                try:
+                    await self.sweep()
+                    await self.fill()
+                except CellgateError as exc:
+                    logger.warning("warm pool of %s: %s", self.sandboxes.app.agent, exc)
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(interval):
+                        await self.wake.wait()
+        finally:
+            await asyncio.shield(self.drain())
+
+    def _say_once(self, what: str, message: str, arg: str) -> None:
+        if what not in self._said:
+            self._said.add(what)
+            logger.warning(message, self.sandboxes.app.agent, arg)
+
+
+class WarmPools:
+    """The warm pools of a gateway's app agents, sharing its sandbox cap (R4).
+
+    Empty when `pool.size` is 0 or the backend is not Docker. `room` counts the
+    gateway's live sandboxes (`live`) and every pooled one against `max_sandboxes`.
+    """
+
+    def __init__(
+        self,
+        agents: Agents,
+        settings: PoolSettings,
+        backend: object,
+        state_dir: Path,
+        gateway_id: str,
+        *,
+        max_sandboxes: Callable[[], int],
+        live: Callable[[], Awaitable[int]],
+    ) -> None:
+        self.pools: list[WarmPool] = []
+        self._max = max_sandboxes
+        self._live = live
+        if settings.size == 0 or not isinstance(backend, DockerBackend):
+            return
+        binder = LateBinder(state_dir / "pool" / gateway_id)
+        ops = DockerPoolOps(backend)
+        for agent_id, rt in agents.items():
+            sb = rt.sandboxes
+            if not isinstance(sb, ConversationSandboxes):
+                continue  # S6's one container and host agents have nothing to pool
+
+            def current(agent_id: str = agent_id, sb: ConversationSandboxes = sb) -> bool:
+                now = agents.get(agent_id)
+                return now is not None and now.sandboxes is sb
+
+            pool = WarmPool(sb, settings, ops, binder, room=self.room, current=current)
+            sb.pool = pool
+            self.pools.append(pool)
+
+    async def room(self) -> int:
+        pooled = sum(len(p.ready) + len(p._creating) for p in self.pools)
+        return self._max() - await self._live() - pooled
+
+    async def fill(self) -> int:
+        """Fill every pool once (what the background task does after each claim)."""
+        made = 0
+        for p in self.pools:
+            made += await p.fill()
+        return made
+
+    async def drain(self) -> None:
+        for p in self.pools:
+            await p.drain()

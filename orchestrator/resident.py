@@ -1,0 +1,172 @@
+"""Resident runners (F2): turns run through a process already inside the sandbox.
+
+`ResidentBackend` wraps the Docker backend for the harnesses: an exec goes to
+the sandbox's runner when one is connected (`sandbox.runner_client`), and to
+a plain `docker exec` otherwise: before the runner is up, after the sandbox
+killed or replaced it, or when the runner is busy. Same user (the runner is
+started as the sandbox's user), environment (the sandbox's, then the
+request's), working directory, timeout, output cap and kill of what a
+timed-out command left (by the same exec marker). `ready` is called once a
+turn's sandbox is verified: it opens the runner socket in the conversation's
+bridge directory and, off the turn's path, starts the runner (a detached
+exec); a sandbox whose runner never comes is asked again at most
+`MAX_LAUNCHES` times.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import builtins
+import logging
+import secrets
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+from importlib import resources
+from pathlib import Path
+
+from cellgate.errors import CellgateError
+from orchestrator.safefs import SafeDir
+from sandbox.backends.base import (
+    ExecResult,
+    ImageFacts,
+    SandboxBackend,
+    SandboxHandle,
+    SandboxInfo,
+)
+from sandbox.backends.docker import EXEC_MARKER_ENV, DockerBackend
+from sandbox.backends.docker_pool import DockerPoolOps
+from sandbox.mountplan import BRIDGE
+from sandbox.runner_client import RUNNER_NAME, RunnerSocket
+from sandbox.spec import SandboxSpec
+from sandbox.verify import ObservedContainer
+
+logger = logging.getLogger(__name__)
+
+MAX_RUNNERS = 4096
+MAX_LAUNCHES = 3
+
+
+class ResidentBackend(SandboxBackend):
+    def __init__(self, inner: DockerBackend, *, max_runners: int = MAX_RUNNERS) -> None:
+        self.inner = inner
+        self.ops = DockerPoolOps(inner)
+        self.max_runners = max_runners
+        self._runners: OrderedDict[str, RunnerSocket] = OrderedDict()
+        self._users: dict[str, str] = {}
+        self._launches: dict[str, int] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._script = resources.files("sandbox.client").joinpath("cellgate_runner.py").read_bytes()
+
+    async def ready(self, handle: SandboxHandle, bridge_dir: Path, spec: SandboxSpec) -> None:
+        """A turn's verified sandbox: its runner socket listens, and a runner is on its way."""
+        cid = handle.container_id
+        rs = self._runners.get(cid)
+        if rs is not None and not rs.still_ours():
+            await self._close(cid)
+            rs = None
+        if rs is None:
+            for other, r in list(self._runners.items()):
+                if r.bridge_dir == bridge_dir:  # that conversation's previous sandbox
+                    await self._close(other)
+            while len(self._runners) >= self.max_runners:
+                await self._close(next(iter(self._runners)))
+            try:
+                await asyncio.to_thread(self._install, bridge_dir)
+                rs = RunnerSocket(bridge_dir, cid, self.inner._output_cap)
+                await rs.listen()
+            except (OSError, CellgateError) as exc:
+                logger.warning("no resident runner for %s: %s", handle.name, exc)
+                return
+            self._runners[cid] = rs
+            self._users[cid] = spec.user
+        self._runners.move_to_end(cid)
+        if not rs.ready and self._launches.get(cid, 0) < MAX_LAUNCHES:
+            self._launches[cid] = self._launches.get(cid, 0) + 1
+            task = asyncio.create_task(self._launch(handle, spec.user))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    def _install(self, bridge_dir: Path) -> None:
+        with SafeDir.open(bridge_dir) as d:
+            d.write_atomic(RUNNER_NAME, self._script, mode=0o755)
+
+    async def _launch(self, handle: SandboxHandle, user: str) -> None:
+        try:
+            await self.ops.launch(handle, user, ["python3", str(BRIDGE / RUNNER_NAME)])
+        except CellgateError as exc:
+            logger.info("could not start the runner in %s: %s", handle.name, exc)
+
+    async def wait_connected(self, handle: SandboxHandle, timeout: float = 10.0) -> bool:  # noqa: ASYNC109
+        rs = self._runners.get(handle.container_id)
+        if rs is None:
+            return False
+        try:
+            async with asyncio.timeout(timeout):
+                await rs.connected.wait()
+        except TimeoutError:
+            return False
+        return True
+
+    async def _close(self, cid: str) -> None:
+        rs = self._runners.pop(cid, None)
+        self._users.pop(cid, None)
+        self._launches.pop(cid, None)
+        if rs is not None:
+            await rs.close()
+
+    # -- the backend contract, by delegation ------------------------------
+
+    async def _exec(
+        self,
+        handle: SandboxHandle,
+        argv: builtins.list[str],
+        env: dict[str, str],
+        stdin: bytes | None,
+        timeout: float,  # noqa: ASYNC109 - bounded by the runner socket
+        workdir: str | None,
+    ) -> ExecResult:
+        rs = self._runners.get(handle.container_id)
+        if rs is not None and rs.ready:
+            marker = secrets.token_hex(12)
+            result = await rs.run(argv, env, stdin, timeout, workdir, f"{EXEC_MARKER_ENV}={marker}")
+            if result is not None:
+                if result.timed_out:
+                    user = self._users.get(handle.container_id, "")
+                    await self.ops.kill_marked(handle, user, f"{EXEC_MARKER_ENV}={marker}")
+                return result
+        return await self.inner.exec(
+            handle, argv, env=env, stdin=stdin, timeout=timeout, workdir=workdir
+        )
+
+    async def _ensure(self, spec: SandboxSpec) -> SandboxHandle:
+        return await self.inner.ensure(spec)
+
+    async def verify(self, spec: SandboxSpec, handle: SandboxHandle) -> None:
+        await self.inner.verify(spec, handle)
+
+    async def inspect(self, name: str) -> ObservedContainer:
+        return await self.inner.inspect(name)
+
+    async def remove(self, name: str) -> None:
+        await self.inner.remove(name)
+
+    async def list(self, labels: Mapping[str, str]) -> builtins.list[SandboxInfo]:
+        return await self.inner.list(labels)
+
+    async def image_facts(self, image: str) -> ImageFacts:
+        return await self.inner.image_facts(image)
+
+    async def probe(
+        self,
+        runtime: str | None,
+        image: str,
+        argv: Sequence[str],
+        *,
+        run_id: str,
+        timeout: float,  # noqa: ASYNC109
+    ) -> ExecResult:
+        return await self.inner.probe(runtime, image, argv, run_id=run_id, timeout=timeout)
+
+    async def close(self) -> None:
+        for cid in builtins.list(self._runners):
+            await self._close(cid)

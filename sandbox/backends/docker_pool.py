@@ -1,0 +1,151 @@
+"""The Docker side of the warm pool (F1): create a pooled sandbox, check a claimed one.
+
+Every call runs on the backend's control threads, under its limiter (F3: the
+event loop never blocks, and a burst of claims shares the bounded pool with
+every other control call). A pooled sandbox is `create_kwargs` of its pooled
+spec with its slot mounts `rslave`: what the host binds under the slot later
+appears inside, nothing flows back.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from typing import Any
+
+import docker
+import docker.errors
+import docker.types
+
+from cellgate.errors import MountVerificationFailed, SandboxError
+from sandbox.backends.base import SandboxHandle, SandboxNotFound
+from sandbox.backends.docker import DockerBackend, _ExecJob, create_kwargs, observe
+from sandbox.mountplan import MountPlan
+from sandbox.pool import read_view, view_violations
+from sandbox.spec import SandboxSpec
+from sandbox.verify import ObservedContainer, violations
+
+SUPPORTED_RUNTIMES = (None, "runc")
+
+
+def late_bind_refusal(runtime: str | None) -> str | None:
+    """Why sandboxes of `runtime` cannot be late-bound here, or None.
+
+    Under gVisor the sentry serves a late mount as part of the read-only slot
+    mount above it and the host cannot read the sandbox's own mount table, so
+    what a claim bound could not be checked: those conversations start cold.
+    """
+    if runtime in SUPPORTED_RUNTIMES:
+        return None
+    return f"runtime {runtime!r} cannot take late-bound mounts that the gateway can verify"
+
+
+class DockerPoolOps:
+    """Pool operations on a `DockerBackend`'s client and threads."""
+
+    def __init__(self, backend: DockerBackend) -> None:
+        self.backend = backend
+
+    async def create(self, spec: SandboxSpec) -> SandboxHandle:
+        """Create and start the pooled sandbox of `spec`, verified (S2, R5); removed on failure."""
+        handle = await self.backend._call(f"create pooled {spec.name}", lambda: self._create(spec))
+        self.backend._remember_user(handle.container_id, spec.user)
+        try:
+            await self.check(spec, handle, None)
+        except MountVerificationFailed:
+            await self.backend.remove(handle.name)
+            raise
+        return handle
+
+    def _create(self, spec: SandboxSpec) -> SandboxHandle:
+        kwargs: dict[str, Any] = create_kwargs(spec)
+        kwargs["mounts"] = [
+            docker.types.Mount(
+                m.target, m.source, type="bind", read_only=m.read_only, propagation="rslave"
+            )
+            for m in spec.plan.mounts
+        ]
+        client = self.backend._client
+        container = client.containers.create(**kwargs)
+        cid = container.id or spec.name
+        try:
+            for net in spec.networks[1:]:
+                client.api.connect_container_to_network(cid, net)
+            container.start()
+        except BaseException:
+            with contextlib.suppress(docker.errors.APIError):
+                container.remove(force=True)
+            raise
+        return SandboxHandle(spec.name, cid, spec.spec_hash())
+
+    async def exists(self, name: str) -> bool:
+        """Whether a container of that name exists (a conversation's own, from before)."""
+        attrs = await self.backend._call(f"look up {name}", lambda: self.backend._lookup(name))
+        return attrs is not None
+
+    async def launch(self, handle: SandboxHandle, user: str, argv: list[str]) -> None:
+        """Start `argv` detached in the sandbox as `user` (its resident runner, F2)."""
+
+        def start() -> None:
+            api = self.backend._client.api
+            created = api.exec_create(handle.container_id, argv, user=user)
+            api.exec_start(created["Id"], detach=True)
+
+        await self.backend._call(f"start the runner in {handle.name}", start)
+
+    async def kill_marked(self, handle: SandboxHandle, user: str, marker: str) -> None:
+        """Kill what a runner's timed-out command left, by its exec marker (as exec does)."""
+        job = _ExecJob(handle.container_id, user, [], {}, None, 0.0, None)
+        await self.backend._call(
+            f"kill in {handle.name}", lambda: self.backend._kill_marked(job, marker)
+        )
+
+    async def check(self, spec: SandboxSpec, handle: SandboxHandle, plan: MountPlan | None) -> None:
+        """S4, R5: the engine's view against the pooled spec, and (with `plan`) the
+        sandbox's own mount table against the conversation's plan, by device and inode."""
+        found = await self.backend._call(
+            f"verify pooled {handle.name}", lambda: self._violations(spec, handle, plan)
+        )
+        if found:
+            raise MountVerificationFailed(handle.name, found)
+
+    def _violations(
+        self, spec: SandboxSpec, handle: SandboxHandle, plan: MountPlan | None
+    ) -> list[str]:
+        attrs = self.backend._lookup(handle.container_id)
+        if attrs is None:
+            raise SandboxNotFound(handle.name)
+        observed = observe(attrs)
+        if plan is not None:
+            observed = _claimed_view(spec, observed, plan)
+        found = violations(spec, observed)
+        if not observed.running:
+            found.append("the sandbox is not running")
+        if plan is not None and not found:
+            pid = int((attrs.get("State") or {}).get("Pid") or 0)
+            try:
+                found += view_violations(plan, read_view(pid, plan))
+            except OSError as exc:
+                raise SandboxError(f"cannot read {handle.name}'s mounts: {exc}") from exc
+        return found
+
+
+def _claimed_view(
+    spec: SandboxSpec, observed: ObservedContainer, plan: MountPlan
+) -> ObservedContainer:
+    """The host sees a slot directory through the bind a claim put on top of it: such a
+    slot mount counts as the slot itself iff it shows exactly the planned source."""
+    slots = spec.plan.by_target()
+    planned = plan.by_target()
+    mounts = []
+    for m in observed.mounts:
+        slot, want = slots.get(m.target), planned.get(m.target)
+        if (
+            slot is not None
+            and want is not None
+            and m.source == slot.source
+            and m.identity == (want.kind, want.dev, want.ino)
+        ):
+            m = dataclasses.replace(m, identity=(slot.kind, slot.dev, slot.ino))
+        mounts.append(m)
+    return dataclasses.replace(observed, mounts=tuple(mounts))

@@ -1,0 +1,317 @@
+"""Late-bound mounts: a conversation's plan bound into a sandbox started ahead (F1, S3).
+
+A pooled sandbox is created with three bind mounts of its own, empty slot
+directories, with `rslave` propagation (host to sandbox only):
+
+    <root>/slots/<slot>/ws      -> /workspace            (read-only)
+    <root>/slots/<slot>/home    -> /home/agent/.claude   (read-only)
+    <root>/slots/<slot>/bridge  -> /run/cellgate         (read-only)
+
+`<root>/slots` is a bind of itself made `shared`, so a mount the host makes
+under a slot appears inside that slot's sandbox, and nowhere else: another
+sandbox's bind starts at its own slot directory, which does not contain this
+one. At claim, `bind_plan` binds every planned mount (S3) onto its place in
+the slot: the source is opened `O_PATH|O_NOFOLLOW` and checked by device and
+inode against the plan first, then bound from that descriptor (a symlink
+swapped in after the plan is never followed); the bind is made in the private
+`<root>/stage`, set read-only there when the plan says so, and only then moved
+into the slot, so the sandbox never sees a read-only mount as writable.
+
+`release` detaches every mount under a slot and removes its empty mountpoints
+(never recursing into anything still mounted: conversation data is never
+deleted through a slot). Needs root (CAP_SYS_ADMIN); `probe` says whether it
+works here.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import errno
+import os
+import secrets
+import stat
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+
+from cellgate.errors import SandboxError
+from sandbox.mountplan import BRIDGE, HOME, WORKSPACE, EntryKind, MountPlan, PlannedMount
+
+MS_RDONLY = 0x1
+MS_NOSUID = 0x2
+MS_NODEV = 0x4
+MS_REMOUNT = 0x20
+MS_BIND = 0x1000
+MS_MOVE = 0x2000
+MS_REC = 0x4000
+MS_PRIVATE = 1 << 18
+MS_SHARED = 1 << 20
+MNT_DETACH = 0x2
+
+SLOT_TARGETS: tuple[tuple[str, PurePosixPath], ...] = (
+    ("ws", WORKSPACE),
+    ("home", HOME / ".claude"),
+    ("bridge", BRIDGE),
+)
+MAX_DEPTH = 32
+
+
+class LateBindError(SandboxError):
+    """A mount could not be bound into a slot; the claim falls back to a cold start."""
+
+
+_libc: ctypes.CDLL | None = None
+
+
+def _lib() -> ctypes.CDLL:
+    global _libc
+    if _libc is None:
+        _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    return _libc
+
+
+def _mount(source: str | None, target: str, flags: int) -> None:
+    src = source.encode() if source is not None else None
+    if _lib().mount(src, target.encode(), None, ctypes.c_ulong(flags), None) != 0:
+        err = ctypes.get_errno()
+        raise LateBindError(f"mount {source} -> {target}: {os.strerror(err)}")
+
+
+def _umount(target: str) -> int:
+    if _lib().umount2(target.encode(), MNT_DETACH) != 0:
+        return ctypes.get_errno()
+    return 0
+
+
+def mountpoints() -> list[str]:
+    """Every mountpoint of this process's mount namespace (unescaped)."""
+    out: list[str] = []
+    with open("/proc/self/mountinfo", encoding="utf-8", errors="surrogateescape") as f:
+        for line in f:
+            fields = line.split(" ")
+            if len(fields) > 4:
+                out.append(unescape(fields[4]))
+    return out
+
+
+def unescape(field: str) -> str:
+    """mountinfo's octal escapes (space, tab, newline, backslash)."""
+    if "\\" not in field:
+        return field
+    out, i = [], 0
+    while i < len(field):
+        if field[i] == "\\" and len(field[i + 1 : i + 4]) == 3 and field[i + 1 : i + 4].isdigit():
+            out.append(chr(int(field[i + 1 : i + 4], 8)))
+            i += 4
+        else:
+            out.append(field[i])
+            i += 1
+    return "".join(out)
+
+
+def _self_bind(path: Path, propagation: int) -> None:
+    """`path` as a mount of itself with the given propagation (idempotent)."""
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    if str(path) not in mountpoints():
+        _mount(str(path), str(path), MS_BIND)
+    _mount(None, str(path), propagation)
+
+
+@dataclass(frozen=True, slots=True)
+class Slot:
+    """One pooled sandbox's slot directories on the host."""
+
+    root: Path
+
+    @property
+    def id(self) -> str:
+        return self.root.name
+
+    def dirs(self) -> dict[str, Path]:
+        return {name: self.root / name for name, _ in SLOT_TARGETS}
+
+    def slot_plan(self) -> MountPlan:
+        """The pooled sandbox's own mounts: its three slot directories, read-only."""
+        mounts = []
+        for name, target in SLOT_TARGETS:
+            st = os.lstat(self.root / name)
+            mounts.append(
+                PlannedMount(
+                    str(self.root / name), str(target), True, EntryKind.DIR, st.st_dev, st.st_ino
+                )
+            )
+        return MountPlan(tuple(sorted(mounts, key=lambda m: m.target)))
+
+
+class LateBinder:
+    """The slot and stage roots of one gateway under `root` (root-only, 0700)."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.slots = root / "slots"
+        self.stage = root / "stage"
+        self._ready = False
+
+    def setup(self) -> None:
+        """Make `slots` a shared mount and `stage` a private one; raises `LateBindError`."""
+        if self._ready:
+            return
+        self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
+        os.chmod(self.root, 0o700)
+        _self_bind(self.stage, MS_PRIVATE)
+        _self_bind(self.slots, MS_SHARED)
+        self._ready = True
+
+    def new_slot(self) -> Slot:
+        self.setup()
+        slot = Slot(self.slots / secrets.token_hex(8))
+        slot.root.mkdir(mode=0o755)
+        for d in slot.dirs().values():
+            d.mkdir(mode=0o755)
+        return slot
+
+    def bind_plan(self, slot: Slot, plan: MountPlan) -> None:
+        """Bind every planned mount into `slot` (S3); on any failure undo and raise."""
+        try:
+            for i, m in enumerate(plan.mounts):
+                self._bind_one(slot, m, i)
+        except BaseException:
+            self.unbind(slot)
+            raise
+
+    def _bind_one(self, slot: Slot, m: PlannedMount, i: int) -> None:
+        place = slot_path(slot, PurePosixPath(m.target))
+        fd = os.open(m.source, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            st = os.fstat(fd)
+            kind = EntryKind.DIR if stat.S_ISDIR(st.st_mode) else EntryKind.FILE
+            if not (stat.S_ISDIR(st.st_mode) or stat.S_ISREG(st.st_mode)):
+                raise LateBindError(f"{m.source} is neither a file nor a directory")
+            if (kind, st.st_dev, st.st_ino) != (m.kind, m.dev, m.ino):
+                raise LateBindError(f"{m.source} is no longer the planned {m.kind.value}")
+            _mountpoint(place, kind, slot.root)
+            staged = self.stage / f"{slot.id}-{i}"
+            _mountpoint(staged, kind, self.stage)
+            try:
+                _mount(f"/proc/self/fd/{fd}", str(staged), MS_BIND)
+                if m.read_only:
+                    flags = MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV
+                    _mount(None, str(staged), flags)
+                _mount(str(staged), str(place), MS_MOVE)
+            except BaseException:
+                _umount(str(staged))
+                raise
+            finally:
+                _remove_empty(staged)
+        finally:
+            os.close(fd)
+
+    def unbind(self, slot: Slot) -> None:
+        """Detach every mount below the slot's three directories (not the slot itself)."""
+        prefix = str(slot.root) + "/"
+        for _ in range(MAX_DEPTH):
+            under = [p for p in mountpoints() if p.startswith(prefix)]
+            if not under:
+                return
+            for p in sorted(under, key=len, reverse=True):
+                _umount(p)
+        raise LateBindError(f"mounts under {slot.root} keep coming back")
+
+    def release(self, slot: Slot) -> bool:
+        """Unbind and remove the slot's empty mountpoints; False when something stayed."""
+        if not slot.root.is_relative_to(self.slots) or slot.root.parent != self.slots:
+            raise ValueError(f"{slot.root} is not a slot of {self.slots}")
+        try:
+            self.unbind(slot)
+        except LateBindError:
+            return False
+        mounted = {p for p in mountpoints() if p.startswith(str(slot.root))}
+        return _prune(slot.root, mounted, 0)
+
+    def slot_ids(self) -> list[str]:
+        try:
+            return sorted(e.name for e in os.scandir(self.slots) if e.is_dir(follow_symlinks=False))
+        except FileNotFoundError:
+            return []
+
+
+def slot_path(slot: Slot, target: PurePosixPath) -> Path:
+    """Where a sandbox path lives in the slot: under the slot dir whose target contains it."""
+    for name, base in SLOT_TARGETS:
+        if target == base:
+            return slot.root / name
+        if base in target.parents:
+            rel = target.relative_to(base)
+            if ".." in rel.parts:
+                raise LateBindError(f"{target} climbs out of {base}")
+            return slot.root / name / rel
+    raise LateBindError(f"{target} is under no slot")
+
+
+def _mountpoint(place: Path, kind: EntryKind, within: Path) -> None:
+    """Create `place` (and its parents, as directories) inside `within`, never through a link."""
+    rel = place.relative_to(within)
+    cur = within
+    for part in rel.parts[:-1]:
+        cur = cur / part
+        try:
+            os.mkdir(cur, 0o755)
+        except FileExistsError:
+            if not stat.S_ISDIR(os.lstat(cur).st_mode):
+                raise LateBindError(f"{cur} is in the way") from None
+    if place == within:
+        return
+    try:
+        if kind is EntryKind.DIR:
+            os.mkdir(place, 0o755)
+        else:
+            os.close(os.open(place, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_NOFOLLOW, 0o644))
+    except FileExistsError:
+        mode = os.lstat(place).st_mode
+        if (kind is EntryKind.DIR) != stat.S_ISDIR(mode) or stat.S_ISLNK(mode):
+            raise LateBindError(f"{place} is in the way") from None
+
+
+def _remove_empty(path: Path) -> None:
+    try:
+        if stat.S_ISDIR(os.lstat(path).st_mode):
+            os.rmdir(path)
+        else:
+            os.unlink(path)
+    except OSError as exc:
+        if exc.errno not in (errno.ENOENT, errno.EBUSY, errno.ENOTEMPTY):
+            raise
+
+
+def _prune(path: Path, mounted: set[str], depth: int) -> bool:
+    """Remove `path`'s tree of empty dirs and empty files bottom-up; never enter a mount."""
+    if depth > MAX_DEPTH or str(path) in mounted:
+        return False
+    clean = True
+    try:
+        entries = list(os.scandir(path))
+    except FileNotFoundError:
+        return True
+    for e in entries:
+        p = Path(e.path)
+        if str(p) in mounted:
+            clean = False
+        elif e.is_dir(follow_symlinks=False):
+            clean = _prune(p, mounted, depth + 1) and clean
+        elif e.is_file(follow_symlinks=False) and _empty(p):
+            _remove_empty(p)
+        else:
+            clean = False
+    if clean:
+        try:
+            os.rmdir(path)
+        except OSError:
+            return False
+    return clean
+
+
+def _empty(path: Path) -> bool:
+    try:
+        return os.lstat(path).st_size == 0
+    except FileNotFoundError:
+        return True

@@ -1,0 +1,192 @@
+"""The gateway's end of a sandbox's resident runner (F2).
+
+`RunnerSocket` listens on `<bridge_dir>/runner.sock` (bound through the
+directory's descriptor, like the bridge socket: no symlink on the way); the
+runner inside the sandbox (`sandbox/client/cellgate_runner.py`) connects to it
+and runs one request at a time. Everything the connection sends is hostile:
+the reply's header is bounded, its output lengths are bounded by the cap, it
+must arrive before the deadline, and it must answer the request's id. Any
+breach drops the connection (the sandbox only hurts itself: the gateway falls
+back to exec and starts a new runner).
+
+`run` returns None when no runner is connected or the request could not be
+sent whole (nothing ran: exec it instead), else the `ExecResult`; a runner
+lost after the request was sent gives a failed result, never a second run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import secrets
+import socket
+import stat
+import struct
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+from sandbox.backends.base import ExecResult
+
+logger = logging.getLogger(__name__)
+
+SOCKET_NAME = "runner.sock"
+RUNNER_NAME = "cellgate-runner"
+HEADER = struct.Struct(">I")
+MAX_REPLY_HEADER = 4096
+KILL_AFTER = 2
+HOST_GRACE = 3.0
+SEND_TIMEOUT = 5.0
+SPAWN_FAILED = ExecResult(126, b"", b"")
+
+
+class RunnerSocket:
+    """One sandbox's runner socket on the host, and the runner connected to it (if any)."""
+
+    def __init__(self, bridge_dir: Path, container_id: str, output_cap: int) -> None:
+        self.bridge_dir = bridge_dir
+        self.container_id = container_id
+        self.output_cap = output_cap
+        self.connected = asyncio.Event()
+        self._server: asyncio.AbstractServer | None = None
+        self._conn: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
+        self._lock = asyncio.Lock()
+        self._inode: tuple[int, int] | None = None
+
+    @property
+    def path(self) -> Path:
+        return self.bridge_dir / SOCKET_NAME
+
+    async def listen(self) -> None:
+        sock = await asyncio.to_thread(self._bind)
+        self._server = await asyncio.start_unix_server(
+            self._on_connect, sock=sock, limit=MAX_REPLY_HEADER + 1
+        )
+
+    def _bind(self) -> socket.socket:
+        dfd = os.open(self.bridge_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            with contextlib.suppress(FileNotFoundError):
+                if stat.S_ISDIR(os.stat(SOCKET_NAME, dir_fd=dfd, follow_symlinks=False).st_mode):
+                    raise OSError(f"{self.path} is a directory")
+                os.unlink(SOCKET_NAME, dir_fd=dfd)
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                sock.bind(f"/proc/self/fd/{dfd}/{SOCKET_NAME}")
+                os.chmod(SOCKET_NAME, 0o666, dir_fd=dfd)  # noqa: S103 - the sandbox's uid connects
+                st = os.stat(SOCKET_NAME, dir_fd=dfd, follow_symlinks=False)
+                self._inode = (st.st_dev, st.st_ino)
+            except BaseException:
+                sock.close()
+                raise
+            return sock
+        finally:
+            os.close(dfd)
+
+    def still_ours(self) -> bool:
+        try:
+            st = os.lstat(self.path)
+        except OSError:
+            return False
+        return stat.S_ISSOCK(st.st_mode) and (st.st_dev, st.st_ino) == self._inode
+
+    async def _on_connect(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if self.ready:
+            writer.close()  # one runner at a time; a second caller is turned away
+            return
+        self._conn = (reader, writer)
+        self.connected.set()
+
+    @property
+    def ready(self) -> bool:
+        """A runner is connected and has not hung up (its EOF arrives as soon as it dies)."""
+        if self._conn is None:
+            return False
+        reader, writer = self._conn
+        if writer.is_closing() or reader.at_eof():
+            self.drop()
+            return False
+        return True
+
+    def drop(self) -> None:
+        if self._conn is not None:
+            self._conn[1].close()
+        self._conn = None
+        self.connected.clear()
+
+    async def close(self) -> None:
+        self.drop()
+        if self._server is not None:
+            self._server.close()
+            self._server = None
+        if self.still_ours():
+            with contextlib.suppress(OSError):
+                os.unlink(self.path)
+
+    async def run(
+        self,
+        argv: Sequence[str],
+        env: Mapping[str, str],
+        stdin: bytes | None,
+        timeout: float,  # noqa: ASYNC109 - bounded below
+        workdir: str | None,
+        marker: str,
+    ) -> ExecResult | None:
+        if not self.ready or self._lock.locked():
+            return None
+        async with self._lock:
+            conn = self._conn
+            if conn is None:
+                return None
+            reader, writer = conn
+            rid = secrets.token_hex(8)
+            head = {
+                "id": rid,
+                "argv": list(argv),
+                "env": dict(env),
+                "timeout": timeout,
+                "workdir": workdir,
+                "cap": self.output_cap,
+                "marker": marker,
+                "stdin_len": None if stdin is None else len(stdin),
+            }
+            data = json.dumps(head).encode()
+            try:
+                async with asyncio.timeout(SEND_TIMEOUT):
+                    writer.write(HEADER.pack(len(data)) + data + (stdin or b""))
+                    await writer.drain()
+            except (OSError, TimeoutError):
+                self.drop()
+                return None
+            try:
+                async with asyncio.timeout(timeout + KILL_AFTER + HOST_GRACE):
+                    result = await self._reply(reader, rid)
+            except TimeoutError:
+                self.drop()
+                return ExecResult(-1, b"", b"", timed_out=True)
+            except (OSError, ValueError, asyncio.IncompleteReadError) as exc:
+                logger.info("runner in %s lost: %s", self.container_id[:12], exc)
+                self.drop()
+                return ExecResult(-1, b"", b"cellgate: the sandbox's runner was lost\n")
+            return None if result is SPAWN_FAILED else result
+
+    async def _reply(self, reader: asyncio.StreamReader, rid: str) -> ExecResult:
+        (size,) = HEADER.unpack(await reader.readexactly(HEADER.size))
+        if size > MAX_REPLY_HEADER:
+            raise ValueError(f"reply header of {size} bytes")
+        head = json.loads(await reader.readexactly(size))
+        if not isinstance(head, dict) or head.get("id") != rid:
+            raise ValueError("a reply to another request")
+        out_len, err_len = int(head["out_len"]), int(head["err_len"])
+        if not (0 <= out_len <= self.output_cap and 0 <= err_len <= self.output_cap):
+            raise ValueError("reply longer than the output cap")
+        out = await reader.readexactly(out_len)
+        err = await reader.readexactly(err_len)
+        if head.get("spawn_failed") is True:
+            return SPAWN_FAILED  # it started nothing: the caller runs it by exec
+        code = head.get("code")
+        if not isinstance(code, int) or isinstance(code, bool):
+            raise ValueError("reply without an exit code")
+        return ExecResult(code, out, err, timed_out=head.get("timed_out") is True)

@@ -1,0 +1,182 @@
+"""The isolation suite again, with the warm pool on (F1, S3, S4, R5), under runc and runsc.
+
+The module's own `live` gateway runs its background tasks, so its pools fill
+ahead; every isolation test of `test_isolation` is collected here again and
+runs against it (chat A's and chat B's sandboxes come from the pool under
+runc; under gVisor the pool refuses to late-bind and they start cold). Then
+the pool's own promises: a pooled sandbox that served chat A is never handed
+to chat B; a claim shows nothing of another slot; tampering with a claimed
+sandbox's late-bound mount refuses its next turn and replaces the sandbox.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import PurePosixPath
+from typing import Any
+
+import pytest
+
+from orchestrator.pool import WarmPool
+from sandbox.backends.docker import DockerBackend
+from sandbox.latebind import slot_path
+from sandbox.spec import LABEL_GATEWAY
+from tests.e2e.conftest import (
+    CANARIES,
+    CONFIG_KEY,
+    LiveGateway,
+    install_test_app,
+    remove_app_containers,
+)
+from tests.e2e.test_isolation import *  # noqa: F403 - the isolation suite, pool on
+from tests.e2e.test_isolation import A, B, dir_of
+from tests.support.served import served_gateway
+
+pytestmark = pytest.mark.docker
+
+POOL = {"size": 2, "max": 4}
+
+
+@pytest.fixture(scope="module", params=["runc", "runsc"])
+def live(
+    request: pytest.FixtureRequest,
+    tmp_path_factory: pytest.TempPathFactory,
+    docker_client: Any,
+    base_image: str,
+) -> Iterator[LiveGateway]:
+    runtime = request.param
+    gateway: dict[str, Any] = {"limits": {"pids": 64}, "pool": POOL}
+    if runtime == "runsc":
+        if "runsc" not in (docker_client.info().get("Runtimes") or {}):
+            pytest.skip("the engine has no runsc runtime registered")
+        gateway["runtime"] = "runsc"
+    app = "e2epool" if runtime == "runc" else "e2epoolgv"
+    config_path = install_test_app(
+        tmp_path_factory.mktemp(app), docker_client, base_image, app, gateway
+    )
+    saved = {k: os.environ.get(k) for k in CANARIES}
+    os.environ.update(CANARIES)
+    try:
+        with served_gateway(config_path, DockerBackend.from_env, background=True) as (url, gw):
+            lg = LiveGateway(
+                url, CONFIG_KEY, config_path.parent, app, f"{app}-bot", docker_client, gw, runtime
+            )
+            if runtime == "runc":
+                wait_ready(lg, POOL["size"])
+            yield lg
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        remove_app_containers(docker_client, app)
+
+
+def pool_of(live: LiveGateway) -> WarmPool:
+    [pool] = live.gateway.pools.pools
+    return pool
+
+
+def wait_ready(live: LiveGateway, n: int, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while len(pool_of(live).ready) < n:
+        assert time.monotonic() < deadline, "the warm pool did not fill"
+        time.sleep(0.1)
+
+
+def test_F1_pool_sandboxes_carry_this_gateway_id(live: LiveGateway) -> None:
+    if live.runtime != "runc":
+        assert pool_of(live).refusal and "runsc" in pool_of(live).refusal
+        return
+    wait_ready(live, 1)
+    for p in list(pool_of(live).ready):
+        labels = live.docker.containers.get(p.handle.container_id).labels
+        assert labels[LABEL_GATEWAY] == live.gateway.gateway_id
+
+
+def test_F1_S3_sandbox_of_chat_a_is_never_handed_to_chat_b(live: LiveGateway) -> None:
+    pool = pool_of(live)
+    if live.runtime == "runc":
+        wait_ready(live, 1)
+    a, b = "pool-a", "pool-b"
+    live.run(a, "echo a-secret-91 > $HOME/.claude/a.txt; echo ok")
+    seen = {c.pooled.handle.container_id for c in pool.claimed.values()}
+    id_a = live.run(a, "cat /proc/1/cpuset >/dev/null; hostname")
+    reply_b = live.run(b, "hostname; cat $HOME/.claude/a.txt 2>&1; ls /workspace/chats")
+    assert id_a.split("\n")[0] not in reply_b
+    assert "a-secret-91" not in reply_b
+    assert dir_of(live, a) not in reply_b
+    if live.runtime == "runc":
+        conv = {k: c.pooled.handle.container_id for k, c in pool.claimed.items()}
+        assert len(set(conv.values())) == len(conv)  # one sandbox per conversation
+        assert seen <= set(conv.values())
+        assert all(p.handle.container_id not in conv.values() for p in pool.ready)
+
+
+def test_F1_S3_hostile_shell_sees_only_its_claim(live: LiveGateway) -> None:
+    chat = "pool-hostile"
+    reply = live.run(
+        chat,
+        "cat /proc/self/mountinfo; ls -la /workspace /workspace/chats /run/cellgate; "
+        "ls /workspace/chats/*/ 2>&1",
+    )
+    own = dir_of(live, chat)
+    listing = reply.split("total", 1)[-1]
+    chats = [ln.split()[-1] for ln in listing.splitlines() if ln.startswith("d")]
+    assert own in reply
+    for other in (dir_of(live, A), dir_of(live, B), dir_of(live, "pool-a")):
+        assert other not in chats
+    slots = live.state_dir / "pool"
+    if live.runtime == "runc":
+        # the sandbox's own mount table names its own slot, never another one
+        mine = [ln for ln in reply.splitlines() if "/pool/" in ln and "/slots/" in ln]
+        assert mine, reply
+        ids = {ln.split("/slots/")[1].split("/")[0] for ln in mine}
+        assert len(ids) == 1, ids
+        others = {p.slot.id for p in pool_of(live).ready}
+        assert not ids & others
+        assert slots.exists()
+
+
+def test_S4_R5_tampered_late_bound_mount_refuses_next_turn(live: LiveGateway) -> None:
+    if live.runtime != "runc":
+        pytest.skip("late binding is runc only; gVisor sandboxes start cold (test_tamper)")
+    wait_ready(live, 1)
+    chat = "pool-tamper"
+    assert "[exit 0]" in live.run(chat, "true")
+    pool = pool_of(live)
+    conv = next(k for k, c in pool.claimed.items() if c.plan.by_target() and chat_in(c, live, chat))
+    claimed = pool.claimed[conv]
+    chat_target = next(t for t in claimed.plan.by_target() if t.startswith("/workspace/chats/"))
+    place = slot_path(claimed.pooled.slot, _p(chat_target))
+    decoy = live.state_dir / "decoy"
+    decoy.mkdir()
+    (decoy / "MEMORY.md").write_text("decoy")
+    # the host-side tamper: the late-bound chat dir is swapped for another directory
+    subprocess.run(["umount", "-l", str(place)], check=True)
+    subprocess.run(["mount", "--bind", str(decoy), str(place)], check=True)
+    r = live.say(chat, "echo ran > /workspace/chats/*/ran.txt; echo ran")
+    assert r.status_code == 500, r.text
+    err = r.json()["error"]
+    assert err["code"] == "sandbox_drifted" and err["rule"] == "S4"
+    assert not (decoy / "ran.txt").exists()
+    assert conv not in pool.claimed  # R5: removed, its slot released
+    assert not any(ln.startswith(str(place)) for ln in _mounts())
+    assert "ok-again" in live.run(chat, "echo ok-again")
+
+
+def chat_in(c: Any, live: LiveGateway, chat: str) -> bool:
+    return any(dir_of(live, chat) in t for t in c.plan.by_target())
+
+
+def _p(target: str) -> PurePosixPath:
+    return PurePosixPath(target)
+
+
+def _mounts() -> list[str]:
+    with open("/proc/self/mountinfo", encoding="utf-8") as f:
+        return [ln.split(" ")[4] for ln in f]

@@ -1,0 +1,120 @@
+"""F2: a turn through the resident runner behaves as an exec, and a hostile sandbox
+that kills or replaces its runner only hurts itself (the gateway falls back to exec)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import pytest
+
+from orchestrator.resident import ResidentBackend
+from sandbox.backends.base import SandboxHandle
+from sandbox.backends.docker import DockerBackend
+from tests.sandbox.conftest import Built
+
+pytestmark = pytest.mark.docker
+
+CAP = 4096
+ANCESTRY = (
+    "gp=$(cut -d' ' -f4 /proc/$PPID/stat); tr '\\0' ' ' < /proc/$gp/cmdline; echo; "
+    'id -u; id -g; pwd; echo "mode=$APP_MODE x=$X home=$HOME"'
+)
+# the pattern is split so that this script's own command line does not match it
+KILL_RUNNER = (
+    "for p in /proc/[0-9]*; do grep -q 'cellgate-''runner' $p/cmdline 2>/dev/null "
+    "&& kill -9 ${p#/proc/}; done; true"
+)
+FAKE_RUNNER = (
+    "import socket,struct,sys,time\n"
+    "s=socket.socket(socket.AF_UNIX); s.connect('/run/cellgate/runner.sock')\n"
+    "s.recv(65536)\n"
+    "s.sendall(struct.pack('>I', int(sys.argv[1])) + b'{' * 8192)\n"
+    "time.sleep(60)\n"
+)
+
+
+@pytest.fixture
+async def sandbox(
+    spec_factory: Callable[..., Built],
+) -> AsyncIterator[tuple[DockerBackend, ResidentBackend, SandboxHandle, Built]]:
+    inner = DockerBackend.from_env(output_cap=CAP)
+    built = spec_factory()
+    handle = await inner.ensure(built.spec)
+    residents = ResidentBackend(inner)
+    await residents.ready(handle, built.paths.bridge_dir, built.spec)
+    assert await residents.wait_connected(handle, 20), "the runner never connected"
+    try:
+        yield inner, residents, handle, built
+    finally:
+        await residents.close()
+        await inner.close()
+
+
+async def _exec(backend: Any, handle: SandboxHandle, script: str, limit: float = 20) -> Any:
+    return await backend.exec(
+        handle, ["/bin/sh", "-c", script], env={"X": "1"}, timeout=limit, workdir="/workspace"
+    )
+
+
+async def test_F2_runner_runs_as_exec_would(sandbox: Any) -> None:
+    inner, residents, handle, _ = sandbox
+    via_runner = await _exec(residents, handle, ANCESTRY)
+    via_exec = await _exec(inner, handle, ANCESTRY)
+    assert via_runner.exit_code == via_exec.exit_code == 0
+    ran_by, *rest = via_runner.stdout.decode().splitlines()
+    assert "cellgate-runner" in ran_by  # it did go through the runner
+    assert "cellgate-runner" not in via_exec.stdout.decode().splitlines()[0]
+    # same user, group, working directory, environment (sandbox's + request's)
+    assert rest == via_exec.stdout.decode().splitlines()[1:]
+    assert rest[0] == "65532" and rest[2] == "/workspace" and "mode=test x=1" in rest[3]
+    code = await _exec(residents, handle, "echo out; echo err >&2; exit 7")
+    assert (code.exit_code, code.stdout, code.stderr) == (7, b"out\n", b"err\n")
+    data = await residents.exec(handle, ["cat"], stdin=b"hello stdin", timeout=10)
+    assert data.stdout == b"hello stdin"
+
+
+async def test_F2_output_cap_and_timeout_kill_the_group(sandbox: Any) -> None:
+    inner, residents, handle, _ = sandbox
+    big = await _exec(residents, handle, "head -c 100000 /dev/zero; head -c 9000 /dev/zero >&2")
+    assert len(big.stdout) == CAP and len(big.stderr) == CAP and big.exit_code == 0
+    slow = await _exec(residents, handle, "sleep 301 & setsid sleep 302 & sleep 303", limit=1)
+    assert slow.timed_out
+    await asyncio.sleep(0.5)
+    left = await _exec(
+        inner, handle, "for p in /proc/[0-9]*; do tr '\\0' ' ' < $p/cmdline; echo; done"
+    )
+    assert b"sleep 30" not in left.stdout, left.stdout
+
+
+async def test_F2_killed_runner_falls_back_to_exec_and_comes_back(sandbox: Any) -> None:
+    inner, residents, handle, built = sandbox
+    killed = await _exec(inner, handle, KILL_RUNNER)
+    assert killed.exit_code == 0
+    await asyncio.sleep(0.3)
+    after = await _exec(residents, handle, ANCESTRY)
+    assert after.exit_code == 0 and "cellgate-runner" not in after.stdout.decode().split("\n")[0]
+    await residents.ready(handle, built.paths.bridge_dir, built.spec)  # the next turn's start
+    assert await residents.wait_connected(handle, 20)
+    again = await _exec(residents, handle, ANCESTRY)
+    assert "cellgate-runner" in again.stdout.decode().split("\n")[0]
+
+
+@pytest.mark.parametrize("claimed_size", [1 << 31, 10])
+async def test_F2_hostile_runner_is_bounded_and_dropped(sandbox: Any, claimed_size: int) -> None:
+    inner, residents, handle, built = sandbox
+    await _exec(inner, handle, KILL_RUNNER)
+    await asyncio.sleep(0.3)
+    assert not residents._runners[handle.container_id].ready
+    await residents.ops.launch(
+        handle, built.spec.user, ["python3", "-c", FAKE_RUNNER, str(claimed_size)]
+    )
+    assert await residents.wait_connected(handle, 20)
+    started = asyncio.get_running_loop().time()
+    lied = await _exec(residents, handle, "echo should-not-matter")
+    assert lied.exit_code == -1 and b"runner was lost" in lied.stderr
+    assert asyncio.get_running_loop().time() - started < 5
+    # dropped: the next exec goes the plain way, and works
+    fine = await _exec(residents, handle, "echo fine")
+    assert fine.exit_code == 0 and fine.stdout == b"fine\n"
