@@ -259,3 +259,13 @@ def test_doctor_runs_in_the_gateway_container_through_the_proxy_o1(stack: Stack)
     assert checks["runtime runc"]["status"] == "ok", checks["runtime runc"]
     # no loop devices or mount rights in the Compose gateway: R2's quota cannot work (README)
     assert "loop-mounted" not in checks["quota (R2)"]["detail"], checks["quota (R2)"]
+
+
+def test_the_gateway_refuses_a_state_dir_not_at_its_host_path_o1(stack: Stack) -> None:
+    # /tmp is a mount in the container (a tmpfs), but not where the config's state is
+    out = stack.compose(
+        "run", "--rm", "--no-deps", "-e", "CELLGATE_STATE_DIR=/tmp", "gateway", timeout=120
+    )
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert f"gateway.stateDir is {stack.state}" in out.stderr, out.stderr
+    assert 'under Compose it must be "/tmp"' in out.stderr
