@@ -390,6 +390,14 @@ def _quota(f: _Facts) -> Check:
         works.append("loop-mounted ext4 images (loop device, mkfs.ext4, mount)")
     if works:
         return Check("quota (R2)", "ok", "works: " + "; ".join(works))
+    if f.cfg is not None and f.cfg.gateway.quota == "off":
+        return Check(
+            "quota (R2)",
+            "warn",
+            f'gateway.quota is "off" (loop images fail here: {why}): one conversation can '
+            "fill the state directory's disk",
+            "run the gateway on a host where loop images work, and remove the \"off\"",
+        )
     return Check(
         "quota (R2)",
         "fail",

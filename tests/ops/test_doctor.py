@@ -177,3 +177,23 @@ def test_o4_channel_tokens_missing_are_named(tmp_path: Path) -> None:
     check = by_name(ok.stdout)["channel tokens"]
     assert check["status"] == "ok"
     assert "123:abc" not in ok.stdout  # a token is never printed
+
+
+def test_o4_quota_off_is_a_warning_not_a_failure_where_loop_images_fail(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Under Compose the gateway cannot loop-mount (R2): with `quota: "off"` doctor warns
+    and says what that costs; with the default `"required"` it fails with the fix."""
+    from orchestrator import doctor
+    from orchestrator.config import load_config
+
+    monkeypatch.setattr(doctor, "_loop_quota", lambda work: "no loop device")
+    monkeypatch.setattr(doctor, "_project_quota", lambda path: False)
+    for quota, status in (("off", "warn"), ("required", "fail")):
+        path = tmp_path / f"{quota}.json"
+        write_config_document(
+            path, {"gateway": {"stateDir": str(tmp_path / "state"), "quota": quota}, "agents": []}
+        )
+        check = doctor._quota(doctor._Facts(path, cfg=load_config(path)))
+        assert check.status == status, check
+        assert "no loop device" in check.detail and check.fix
