@@ -192,7 +192,6 @@ class DiscordChannel(Channel):
         self._on_message: InboundHandler | None = None
         self._runner: asyncio.Task[None] | None = None
         self._notices: OrderedDict[str, float] = OrderedDict()
-        self._tasks: set[asyncio.Task[None]] = set()
 
     def __repr__(self) -> str:  # never the token
         return f"DiscordChannel(agent={self.agent!r})"
@@ -279,9 +278,6 @@ class DiscordChannel(Channel):
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self._runner
             self._runner = None
-        for task in list(self._tasks):
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
 
     # -- inbound ---------------------------------------------------------------
 

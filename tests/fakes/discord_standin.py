@@ -96,6 +96,7 @@ class Posted:
     reply_to: int | None = None
     edits: list[str] = field(default_factory=list)
     reactions: list[str] = field(default_factory=list)
+    at: float = field(default_factory=time.time)  # when Discord accepted it
 
 
 @dataclass
@@ -393,9 +394,9 @@ class DiscordStandin:
         self.cdn_redirects[path] = location
         return f"https://{CDN_NAMES[0]}{path}"
 
-    def messages(self, channel: int) -> list[Posted]:
+    def messages(self, channel: int | None = None) -> list[Posted]:
         with self._lock:
-            return [p for p in self.posted if p.channel_id == channel]
+            return [p for p in self.posted if channel is None or p.channel_id == channel]
 
     def texts(self, channel: int) -> list[str]:
         return [p.content for p in self.messages(channel)]
