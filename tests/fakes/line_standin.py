@@ -229,8 +229,10 @@ class LineStandin:
 
         async def run(request: Request) -> Response:
             response = await handler(request)
-            with self._lock:
-                self.calls[-1].status = response.status_code
+            call: Call | None = getattr(request.state, "call", None)
+            if call is not None:
+                with self._lock:
+                    call.status = response.status_code
             return response
 
         return run
@@ -251,7 +253,9 @@ class LineStandin:
             if refusal is None and self._limits.get(path, 0) > 0:
                 self._limits[path] -= 1
                 refusal = _error(429, "The API rate limit has been exceeded. Try again later.")
-            self.calls.append(Call(path, body, headers, refusal.status_code if refusal else 200))
+            call = Call(path, body, headers, refusal.status_code if refusal else 0)
+            self.calls.append(call)
+        request.state.call = call
         return body, refusal
 
     def _check_messages(self, body: dict[str, Any]) -> Response | None:
