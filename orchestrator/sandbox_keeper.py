@@ -13,7 +13,6 @@ import contextlib
 import logging
 from collections.abc import AsyncIterator, Callable
 
-from cellgate.errors import QuotaError
 from orchestrator.admission import LiveSandbox
 from orchestrator.agents import Agents
 from orchestrator.bridge import BridgeServer
@@ -84,8 +83,6 @@ class SandboxKeeper:
                 logger.info("removing sandbox %s (no conversation or stale spec)", info.name)
                 await self.backend.remove(info.name)
                 await asyncio.to_thread(self.store.forget_sandbox, info.name)
-                if conv is not None:
-                    await self._release_quota(conv.id)
                 removed += 1
         return removed
 
@@ -146,19 +143,7 @@ class SandboxKeeper:
         for s in await self._sessions_in(sb):
             await asyncio.to_thread(self.store.end_session, s.id)
         await asyncio.to_thread(self.store.forget_sandbox, name)
-        await self._release_quota(sb.conversation_id)
         self.on_removed(sb.agent)
-
-    async def _release_quota(self, conversation: ConversationId) -> None:
-        """Unmount the conversation's quota image (R2): mounts live only with sandboxes."""
-        conv = await asyncio.to_thread(self.store.get_conversation, conversation)
-        rt = self.agents.get(conv.agent) if conv is not None else None
-        if conv is None or rt is None or rt.sandboxes is None:
-            return
-        try:
-            await rt.sandboxes.release(conversation_key(conv))
-        except (QuotaError, OSError) as exc:  # kept mounted: the next ensure reuses it
-            logger.warning("could not release the quota of %s: %s", conversation, exc)
 
     async def live(self) -> list[LiveSandbox]:
         """This gateway's sandboxes as the store knows them, with whether a turn is in one."""

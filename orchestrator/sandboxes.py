@@ -190,11 +190,6 @@ class ConversationSandboxes:
 
         return await asyncio.to_thread(prepare), paths
 
-    async def release(self, key: ConversationKey) -> None:
-        """The conversation's sandbox is gone: let go of its quota mounts (kept on disk)."""
-        if self.quota is not None:
-            await asyncio.to_thread(self.quota.release, self.app.agent, key.digest)
-
     async def ensure(self, key: ConversationKey, session_id: str) -> PreparedSandbox:
         if self.quota_refusal is not None:
             raise QuotaError(self.quota_refusal)

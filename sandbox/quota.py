@@ -519,30 +519,6 @@ class LoopQuota:
             for t in targets:
                 self._bind(t, mnt, markers, dev, owner, entries)
 
-    def release(self, agent: str, digest: str) -> int:
-        """Unmount one conversation's image and its binds (its sandbox is gone); how many.
-
-        Nothing is lost: the image stays, and the next `ensure` mounts it again. A
-        gateway that has seen ten thousand chats thus holds mounts (and loop devices)
-        only for the conversations that have a sandbox, not for every chat ever.
-        """
-        if not re.fullmatch(r"[a-z0-9][a-z0-9-]{0,39}", agent) or not digest.isalnum():
-            raise QuotaError(f"unusable quota name {agent!r}/{digest!r}")
-        agent_dir = self.root / agent
-        image, mnt = self.image(agent, digest), self.mount_dir(agent, digest)
-        if not image.exists():
-            return 0
-        with _locked(agent_dir / f"{digest}.lock"):
-            entries = mountinfo()
-            top = _top(entries, str(mnt))
-            if top is None or loop_backing_file(top.dev) != str(image):
-                return 0
-            ours = [e for e in entries if e.dev == top.dev]
-            for e in reversed(ours):  # binds were mounted after the image
-                unmount(e.mount_point)
-            logger.info("quota (R2): released %s (%d mounts)", image.name, len(ours))
-            return len(ours)
-
     def _mount(self, image: Path, mnt: Path, entries: Sequence[MountEntry]) -> int:
         """The image's device, mounted at `mnt` with the right flags."""
         with contextlib.suppress(FileExistsError):

@@ -180,25 +180,6 @@ def test_r2_after_an_unmount_ensure_mounts_again_and_the_data_is_there(
     assert len(entries_at(quota.mount_dir("agent-q", c.digest))) == 1
 
 
-def test_r2_release_unmounts_one_conversation_and_the_next_ensure_finds_its_data(
-    quota: LoopQuota, tmp_path: Path
-) -> None:
-    """A released conversation holds no mount and no loop device; its neighbour keeps its."""
-    a, b = conv(quota, tmp_path, "a"), conv(quota, tmp_path, "b")
-    a.ensure()
-    b.ensure()
-    (a.chat / "MEMORY.md").write_text("remember me")
-    image = str(quota.image("agent-q", a.digest))
-    assert quota.release("agent-q", a.digest) == 4  # the image and its three binds
-    assert not entries_at(a.chat) and not entries_at(quota.mount_dir("agent-q", a.digest))
-    losetup = subprocess.run(["losetup", "-j", image], capture_output=True, text=True)
-    assert losetup.stdout.strip() == "", losetup.stdout  # the loop device was let go
-    assert len(entries_at(b.chat)) == 1  # the neighbour is untouched
-    assert quota.release("agent-q", a.digest) == 0  # idempotent
-    a.ensure()
-    assert (a.chat / "MEMORY.md").read_text() == "remember me"
-
-
 def test_r2_pre_quota_data_is_copied_in_once_without_following_anything(
     quota: LoopQuota, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
