@@ -300,8 +300,8 @@ def test_L5_mode_flip_waits_for_the_running_turn_then_the_agent_restarts(
         assert "MODE=isolated" in c.run("alice", MODE)
         replies: list[str] = []
 
-        def slow_turn() -> None:
-            replies.append(c.run("alice", f"sleep 6; {MODE}"))
+        def slow_turn(seconds: int = 6) -> None:
+            replies.append(c.run("alice", f"sleep {seconds}; {MODE}"))
 
         # By the admin API: update to a release without isolate_memory while a turn runs.
         t = threading.Thread(target=slow_turn)
@@ -318,13 +318,14 @@ def test_L5_mode_flip_waits_for_the_running_turn_then_the_agent_restarts(
         assert "MODE=shared" in c.run("alice", MODE)  # the next turn in the new mode
         assert gw.reloader.restarts == 1
 
-        # By the CLI (the config file watch): back to isolated while a turn runs.
-        t = threading.Thread(target=slow_turn)
+        # By the CLI (the config file watch): back to isolated while a turn runs. The CLI
+        # builds the release's image first, so this turn is long enough to outlast it.
+        t = threading.Thread(target=slow_turn, args=(30,))
         t.start()
         wait_for("the slow turn to start", lambda: bool(gw.reloader.busy_now(agent)), 30)
         v3 = release(tmp_path, app, "3", "P3", isolate=True)
         assert cli(["apps", "update", str(v3), "--config", str(config)]) == 0
-        wait_for("the watch to notice", lambda: agent in gw.reloader.pending, 15)
+        wait_for("the watch to notice", lambda: agent in gw.reloader.pending, 25)
         assert gw.agents[agent].started_isolated is False
         t.join(120)
         assert "MODE=shared" in replies[1]
