@@ -228,6 +228,15 @@ class LateBinder:
         mounted = {p for p in mountpoints() if p.startswith(str(slot.root))}
         return _prune(slot.root, mounted, 0)
 
+    def teardown(self) -> None:
+        """Detach every mount under the root (slots, stage, and what they hold).
+
+        Only once no sandbox of this gateway uses them (tests, benchmarks, uninstall)."""
+        prefix = str(self.root) + "/"
+        for p in sorted((p for p in mountpoints() if p.startswith(prefix)), key=len, reverse=True):
+            _umount(p)
+        self._ready = False
+
     def slot_ids(self) -> list[str]:
         try:
             return sorted(e.name for e in os.scandir(self.slots) if e.is_dir(follow_symlinks=False))
