@@ -24,6 +24,7 @@ import collections
 import contextlib
 import dataclasses
 import logging
+import os
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +32,7 @@ from pathlib import Path
 from cellgate.errors import CellgateError, MountVerificationFailed
 from orchestrator.bounded import LruMap
 from orchestrator.config import PoolSettings
+from orchestrator.resident import ResidentBackend
 from orchestrator.sandboxes import ConversationSandboxes, limits_from, sandbox_env, sandbox_user
 from sandbox.backends.base import SandboxHandle, SandboxNotFound
 from sandbox.backends.docker import DockerBackend
@@ -54,6 +56,19 @@ class Pooled:
     spec: SandboxSpec
     handle: SandboxHandle
     key: str
+    trigger: int  # the slot's claim FIFO, held open: a byte starts the runner (F2)
+
+    def start_runner(self) -> bool:
+        try:
+            return os.write(self.trigger, b"\n") == 1
+        except OSError:
+            return False
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            os.close(self.trigger)
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,6 +113,7 @@ class WarmPool:
         self.ops = ops
         self.binder = binder
         self.room = room
+        self.residents: ResidentBackend | None = None  # F2: started through the claim FIFO
         self.ready: collections.deque[Pooled] = collections.deque()
         self.claimed: dict[str, Claimed] = {}
         self.cold: LruMap[str, bool] = LruMap(COLD_MEMORY)
@@ -174,6 +190,8 @@ class WarmPool:
             return None
         finally:
             self._claiming.discard(pooled.slot.id)
+        if self.residents is not None:
+            self.residents.add_starter(pooled.handle.container_id, pooled.start_runner)
         logger.info(
             "sandbox %s claimed from the pool",
             pooled.handle.name,
@@ -186,6 +204,7 @@ class WarmPool:
         for conv, c in list(self.claimed.items()):
             if c.pooled is pooled:
                 del self.claimed[conv]
+        pooled.close()
         try:
             await self.sandboxes.backend.remove(pooled.handle.name)
         finally:
@@ -229,16 +248,20 @@ class WarmPool:
     async def _make(self, template: SandboxSpec) -> bool:
         slot = await asyncio.to_thread(self.binder.new_slot)
         self._creating.add(slot.id)
+        trigger = -1
         try:
+            trigger = slot.open_trigger()
             spec = await asyncio.to_thread(pooled_spec, template, slot)
             handle = await self.ops.create(spec)
         except (CellgateError, OSError) as exc:
             logger.warning("could not start a pooled sandbox for %s: %s", template.app, exc)
+            if trigger >= 0:
+                os.close(trigger)
             await asyncio.to_thread(self.binder.release, slot)
             return False
         finally:
             self._creating.discard(slot.id)
-        pooled = Pooled(slot, spec, handle, pool_key(template))
+        pooled = Pooled(slot, spec, handle, pool_key(template), trigger)
         if pooled.key != self._key:
             await self._retire(pooled)
             return False
@@ -308,6 +331,7 @@ class WarmPools:
         *,
         max_sandboxes: Callable[[], int],
         live: Callable[[], Awaitable[int]],
+        residents: ResidentBackend | None = None,
     ) -> None:
         self.pools: list[WarmPool] = []
         self._max = max_sandboxes
@@ -318,6 +342,7 @@ class WarmPools:
         ops = DockerPoolOps(backend)
         for sb in runtimes:
             pool = WarmPool(sb, settings, ops, binder, room=self.room)
+            pool.residents = residents
             sb.pool = pool
             self.pools.append(pool)
 
