@@ -34,6 +34,7 @@ from orchestrator.bounded import LruMap
 from orchestrator.config import PoolSettings
 from orchestrator.resident import ResidentBackend
 from orchestrator.sandboxes import ConversationSandboxes, limits_from, sandbox_env, sandbox_user
+from orchestrator.spare_quota import SparedQuota
 from sandbox.backends.base import SandboxHandle, SandboxNotFound
 from sandbox.backends.docker import DockerBackend
 from sandbox.backends.docker_pool import DockerPoolOps, late_bind_refusal
@@ -240,10 +241,18 @@ class WarmPool:
                 await self._retire(self.ready.pop())
                 room += 1
             want = min(want, room)
-        if want <= 0:
-            return 0
-        made = await asyncio.gather(*(self._make(self._template) for _ in range(want)))
+        made = await asyncio.gather(*(self._make(self._template) for _ in range(max(0, want))))
+        await self._refill_quota()
         return sum(made)
+
+    async def _refill_quota(self) -> None:
+        """Spare quota images, after the sandboxes (a first turn needs both)."""
+        quota = self.sandboxes.quota
+        if isinstance(quota, SparedQuota):
+            try:
+                await asyncio.to_thread(quota.refill, self.sandboxes.app.agent)
+            except CellgateError as exc:
+                logger.warning("could not make spare quota images: %s", exc)
 
     async def _make(self, template: SandboxSpec) -> bool:
         slot = await asyncio.to_thread(self.binder.new_slot)
@@ -343,6 +352,8 @@ class WarmPools:
         for sb in runtimes:
             pool = WarmPool(sb, settings, ops, binder, room=self.room)
             pool.residents = residents
+            if sb.quota is not None and not isinstance(sb.quota, SparedQuota):
+                sb.quota = SparedQuota(sb.quota, settings.size)
             sb.pool = pool
             self.pools.append(pool)
 
