@@ -51,7 +51,7 @@ REFILL_INTERVAL = 30.0
 Room = Callable[[], Awaitable[int]]
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(eq=False, slots=True)
 class Pooled:
     slot: Slot
     spec: SandboxSpec
@@ -60,6 +60,8 @@ class Pooled:
     trigger: int  # the slot's claim FIFO, held open: a byte starts the runner (F2)
 
     def start_runner(self) -> bool:
+        if self.trigger < 0:
+            return False
         try:
             return os.write(self.trigger, b"\n") == 1
         except OSError:
@@ -68,8 +70,11 @@ class Pooled:
             self.close()
 
     def close(self) -> None:
-        with contextlib.suppress(OSError):
-            os.close(self.trigger)
+        """Close the FIFO once (a second close could hit a descriptor reused meanwhile)."""
+        fd, self.trigger = self.trigger, -1
+        if fd >= 0:
+            with contextlib.suppress(OSError):
+                os.close(fd)
 
 
 @dataclass(frozen=True, slots=True)
