@@ -72,7 +72,7 @@ def configure(run: BenchRun, burst: int) -> None:
     doc = load_config(run.config_path).model_dump(by_alias=True, mode="json")
     gw = doc["gateway"]
     gw["pool"] = {"size": 4, "max": burst}
-    gw["limits"]["maxSandboxes"] = 2 * burst + 16
+    gw["limits"]["maxSandboxes"] = 4 * burst + 16
     gw["maxConcurrentTurns"] = burst
     gw["admission"]["turnsPerSender"] = burst
     write_config_document(run.config_path, doc)
@@ -126,8 +126,10 @@ class Bench:
         return _checked(self.service.turn(self.run.agent, chat, "true"))
 
     def remove(self, name: str) -> None:
+        """Remove a sandbox as the reaper would: the container, then the gateway's record."""
         with contextlib.suppress(docker.errors.NotFound):
             self.api.remove_container(name, force=True, v=True)
+        self.service.call(self.gateway.sandboxes.removed(name))
 
     def close(self) -> None:
         try:

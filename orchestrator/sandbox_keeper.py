@@ -138,11 +138,15 @@ class SandboxKeeper:
     async def live(self) -> list[LiveSandbox]:
         """This gateway's sandboxes as the store knows them, with whether a turn is in one."""
         out: list[LiveSandbox] = []
-        for sb in await asyncio.to_thread(self.store.sandboxes):
-            sessions = await asyncio.to_thread(
-                self.store.live_sessions, conversation=sb.conversation_id
+        # F3: two queries, not one per sandbox (a burst of new conversations asks this often)
+        sandboxes = await asyncio.to_thread(self.store.sandboxes)
+        busy_convs = {
+            s.conversation_id for s in await asyncio.to_thread(self.store.live_sessions) if s.busy
+        }
+        for sb in sandboxes:
+            busy = sb.conversation_id in busy_convs or self.loop.conversation_busy(
+                sb.conversation_id
             )
-            busy = any(s.busy for s in sessions) or self.loop.conversation_busy(sb.conversation_id)
             out.append(LiveSandbox(sb.name, sb.conversation_id, sb.last_used_at, busy))
         return out
 
