@@ -47,6 +47,7 @@ logger = logging.getLogger(__name__)
 
 COLD_MEMORY = 10_000
 REFILL_INTERVAL = 30.0
+REFILL_BATCH = 2
 
 Room = Callable[[], Awaitable[int]]
 
@@ -246,6 +247,7 @@ class WarmPool:
                 await self._retire(self.ready.pop())
                 room += 1
             want = min(want, room)
+        want = min(want, REFILL_BATCH)  # a refill never crowds out the turns of a burst (F3)
         made = await asyncio.gather(*(self._make(self._template) for _ in range(max(0, want))))
         await self._refill_quota()
         return sum(made)
@@ -255,7 +257,8 @@ class WarmPool:
         quota = self.sandboxes.quota
         if isinstance(quota, SparedQuota):
             try:
-                await asyncio.to_thread(quota.refill, self.sandboxes.app.agent)
+                agent, size = self.sandboxes.app.agent, self.settings.size
+                await asyncio.to_thread(quota.refill, agent, size)
             except CellgateError as exc:
                 logger.warning("could not make spare quota images: %s", exc)
 
@@ -313,7 +316,8 @@ class WarmPool:
                 self.wake.clear()
                 try:
                     await self.sweep()
-                    await self.fill()
+                    if await self.fill():
+                        self.wake.set()  # made some: go on with the next batch
                 except CellgateError as exc:
                     logger.warning("warm pool of %s: %s", self.sandboxes.app.agent, exc)
                 with contextlib.suppress(TimeoutError):

@@ -59,14 +59,15 @@ class SparedQuota(LoopQuota):
                 return True
         return False
 
-    def refill(self, agent: str) -> int:
-        """Make spares up to `count`; how many were made."""
+    def refill(self, agent: str, count: int | None = None) -> int:
+        """Make spares up to `count` (default: the one given at creation); how many were made."""
+        count = self.count if count is None else count
         if not re.fullmatch(r"[a-z0-9][a-z0-9-]{0,39}", agent):
             return 0
         d = self.root / agent
         d.mkdir(mode=0o700, parents=True, exist_ok=True)
         made = 0
-        for _ in range(self.count - len(self._spares(agent))):
+        for _ in range(count - len(self._spares(agent))):
             make_image(d / f"spare-{secrets.token_hex(8)}.img", self.limits)
             made += 1
         return made
