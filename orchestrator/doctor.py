@@ -396,7 +396,7 @@ def _quota(f: _Facts) -> Check:
             "warn",
             f'gateway.quota is "off" (loop images fail here: {why}): one conversation can '
             "fill the state directory's disk",
-            "run the gateway on a host where loop images work, and remove the \"off\"",
+            'run the gateway on a host where loop images work, and remove the "off"',
         )
     return Check(
         "quota (R2)",

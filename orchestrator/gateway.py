@@ -163,6 +163,7 @@ class Gateway:
             self.gateway_id,
             max_sandboxes=lambda: self.runner.gate.max_sandboxes if self.runner.gate else 1 << 30,
             live=lambda: _count(self.sandboxes.live()),
+            residents=self.runner.residents,
         )
         self._started = False
         self._background: list[asyncio.Task[None]] = []

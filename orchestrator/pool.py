@@ -24,6 +24,7 @@ import collections
 import contextlib
 import dataclasses
 import logging
+import os
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,7 +33,9 @@ from cellgate.errors import CellgateError, MountVerificationFailed
 from orchestrator.agents import Agents
 from orchestrator.bounded import LruMap
 from orchestrator.config import PoolSettings
+from orchestrator.resident import ResidentBackend
 from orchestrator.sandboxes import ConversationSandboxes, limits_from, sandbox_env, sandbox_user
+from orchestrator.spare_quota import SparedQuota
 from sandbox.backends.base import SandboxHandle, SandboxNotFound
 from sandbox.backends.docker import DockerBackend
 from sandbox.backends.docker_pool import DockerPoolOps, late_bind_refusal
@@ -45,16 +48,35 @@ logger = logging.getLogger(__name__)
 
 COLD_MEMORY = 10_000
 REFILL_INTERVAL = 30.0
+REFILL_BATCH = 2
 
 Room = Callable[[], Awaitable[int]]
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(eq=False, slots=True)
 class Pooled:
     slot: Slot
     spec: SandboxSpec
     handle: SandboxHandle
     key: str
+    trigger: int  # the slot's claim FIFO, held open: a byte starts the runner (F2)
+
+    def start_runner(self) -> bool:
+        if self.trigger < 0:
+            return False
+        try:
+            return os.write(self.trigger, b"\n") == 1
+        except OSError:
+            return False
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        """Close the FIFO once (a second close could hit a descriptor reused meanwhile)."""
+        fd, self.trigger = self.trigger, -1
+        if fd >= 0:
+            with contextlib.suppress(OSError):
+                os.close(fd)
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,6 +123,7 @@ class WarmPool:
         self.ops = ops
         self.binder = binder
         self.room = room
+        self.residents: ResidentBackend | None = None  # F2: started through the claim FIFO
         self.ready: collections.deque[Pooled] = collections.deque()
         self.claimed: dict[str, Claimed] = {}
         self.cold: LruMap[str, bool] = LruMap(COLD_MEMORY)
@@ -177,6 +200,8 @@ class WarmPool:
             return None
         finally:
             self._claiming.discard(pooled.slot.id)
+        if self.residents is not None:
+            self.residents.add_starter(pooled.handle.container_id, pooled.start_runner)
         logger.info(
             "sandbox %s claimed from the pool",
             pooled.handle.name,
@@ -189,6 +214,7 @@ class WarmPool:
         for conv, c in list(self.claimed.items()):
             if c.pooled is pooled:
                 del self.claimed[conv]
+        pooled.close()
         try:
             await self.sandboxes.backend.remove(pooled.handle.name)
         finally:
@@ -224,24 +250,38 @@ class WarmPool:
                 await self._retire(self.ready.pop())
                 room += 1
             want = min(want, room)
-        if want <= 0:
-            return 0
-        made = await asyncio.gather(*(self._make(self._template) for _ in range(want)))
+        want = min(want, REFILL_BATCH)  # a refill never crowds out the turns of a burst (F3)
+        made = await asyncio.gather(*(self._make(self._template) for _ in range(max(0, want))))
+        await self._refill_quota()
         return sum(made)
+
+    async def _refill_quota(self) -> None:
+        """Spare quota images, after the sandboxes (a first turn needs both)."""
+        quota = self.sandboxes.quota
+        if isinstance(quota, SparedQuota):
+            try:
+                agent, size = self.sandboxes.app.agent, self.settings.size
+                await asyncio.to_thread(quota.refill, agent, size)
+            except CellgateError as exc:
+                logger.warning("could not make spare quota images: %s", exc)
 
     async def _make(self, template: SandboxSpec) -> bool:
         slot = await asyncio.to_thread(self.binder.new_slot)
         self._creating.add(slot.id)
+        trigger = -1
         try:
+            trigger = slot.open_trigger()
             spec = await asyncio.to_thread(pooled_spec, template, slot)
             handle = await self.ops.create(spec)
         except (CellgateError, OSError) as exc:
             logger.warning("could not start a pooled sandbox for %s: %s", template.app, exc)
+            if trigger >= 0:
+                os.close(trigger)
             await asyncio.to_thread(self.binder.release, slot)
             return False
         finally:
             self._creating.discard(slot.id)
-        pooled = Pooled(slot, spec, handle, pool_key(template))
+        pooled = Pooled(slot, spec, handle, pool_key(template), trigger)
         if pooled.key != self._key:
             await self._retire(pooled)
             return False
@@ -279,7 +319,8 @@ class WarmPool:
                 self.wake.clear()
                 try:
                     await self.sweep()
-                    await self.fill()
+                    if await self.fill():
+                        self.wake.set()  # made some: go on with the next batch
                 except CellgateError as exc:
                     logger.warning("warm pool of %s: %s", self.sandboxes.app.agent, exc)
                 with contextlib.suppress(TimeoutError):
@@ -311,6 +352,7 @@ class WarmPools:
         *,
         max_sandboxes: Callable[[], int],
         live: Callable[[], Awaitable[int]],
+        residents: ResidentBackend | None = None,
     ) -> None:
         self.pools: list[WarmPool] = []
         self._max = max_sandboxes
@@ -329,6 +371,9 @@ class WarmPools:
                 return now is not None and now.sandboxes is sb
 
             pool = WarmPool(sb, settings, ops, binder, room=self.room, current=current)
+            pool.residents = residents
+            if sb.quota is not None and not isinstance(sb.quota, SparedQuota):
+                sb.quota = SparedQuota(sb.quota, settings.size)
             sb.pool = pool
             self.pools.append(pool)
 

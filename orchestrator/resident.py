@@ -17,10 +17,11 @@ from __future__ import annotations
 
 import asyncio
 import builtins
+import contextlib
 import logging
 import secrets
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from importlib import resources
 from pathlib import Path
 
@@ -34,8 +35,7 @@ from sandbox.backends.base import (
     SandboxInfo,
 )
 from sandbox.backends.docker import EXEC_MARKER_ENV, DockerBackend
-from sandbox.backends.docker_pool import DockerPoolOps
-from sandbox.mountplan import BRIDGE
+from sandbox.backends.docker_pool import RUNNER_ARGV, DockerPoolOps
 from sandbox.runner_client import RUNNER_NAME, RunnerSocket
 from sandbox.spec import SandboxSpec
 from sandbox.verify import ObservedContainer
@@ -44,6 +44,7 @@ logger = logging.getLogger(__name__)
 
 MAX_RUNNERS = 4096
 MAX_LAUNCHES = 3
+TRIGGERED_WAIT = 0.5
 
 
 class ResidentBackend(SandboxBackend):
@@ -55,6 +56,8 @@ class ResidentBackend(SandboxBackend):
         self._users: dict[str, str] = {}
         self._launches: dict[str, int] = {}
         self._tasks: set[asyncio.Task[None]] = set()
+        self._starters: dict[str, Callable[[], bool]] = {}
+        self._triggered: set[str] = set()
         self._script = resources.files("sandbox.client").joinpath("cellgate_runner.py").read_bytes()
 
     async def ready(self, handle: SandboxHandle, bridge_dir: Path, spec: SandboxSpec) -> None:
@@ -80,11 +83,21 @@ class ResidentBackend(SandboxBackend):
             self._runners[cid] = rs
             self._users[cid] = spec.user
         self._runners.move_to_end(cid)
+        starter = self._starters.pop(cid, None)
+        if not rs.ready and starter is not None and starter():
+            self._triggered.add(cid)  # a pooled sandbox's runner starts on its own
+            return
         if not rs.ready and self._launches.get(cid, 0) < MAX_LAUNCHES:
             self._launches[cid] = self._launches.get(cid, 0) + 1
             task = asyncio.create_task(self._launch(handle, spec.user))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
+
+    def add_starter(self, container_id: str, start: Callable[[], bool]) -> None:
+        """How a claimed pooled sandbox's runner is started (its claim FIFO), instead of exec."""
+        while len(self._starters) >= self.max_runners:
+            self._starters.pop(next(iter(self._starters)))
+        self._starters[container_id] = start
 
     def _install(self, bridge_dir: Path) -> None:
         with SafeDir.open(bridge_dir) as d:
@@ -92,7 +105,7 @@ class ResidentBackend(SandboxBackend):
 
     async def _launch(self, handle: SandboxHandle, user: str) -> None:
         try:
-            await self.ops.launch(handle, user, ["python3", str(BRIDGE / RUNNER_NAME)])
+            await self.ops.launch(handle, user, list(RUNNER_ARGV))
         except CellgateError as exc:
             logger.info("could not start the runner in %s: %s", handle.name, exc)
 
@@ -111,6 +124,8 @@ class ResidentBackend(SandboxBackend):
         rs = self._runners.pop(cid, None)
         self._users.pop(cid, None)
         self._launches.pop(cid, None)
+        self._starters.pop(cid, None)
+        self._triggered.discard(cid)
         if rs is not None:
             await rs.close()
 
@@ -126,6 +141,11 @@ class ResidentBackend(SandboxBackend):
         workdir: str | None,
     ) -> ExecResult:
         rs = self._runners.get(handle.container_id)
+        if rs is not None and handle.container_id in self._triggered:
+            self._triggered.discard(handle.container_id)
+            with contextlib.suppress(TimeoutError):  # its runner is starting: worth a moment
+                async with asyncio.timeout(TRIGGERED_WAIT):
+                    await rs.connected.wait()
         if rs is not None and rs.ready:
             marker = secrets.token_hex(12)
             result = await rs.run(argv, env, stdin, timeout, workdir, f"{EXEC_MARKER_ENV}={marker}")

@@ -54,6 +54,9 @@ SLOT_TARGETS: tuple[tuple[str, PurePosixPath], ...] = (
     ("bridge", BRIDGE),
 )
 MAX_DEPTH = 32
+# In the slot's bridge directory: the pooled sandbox's first process waits on it
+# (zero CPU) until the claim is complete, then starts the resident runner (F2).
+CLAIM_FIFO = ".claim"
 
 
 class LateBindError(SandboxError):
@@ -127,6 +130,10 @@ class Slot:
     def id(self) -> str:
         return self.root.name
 
+    def open_trigger(self) -> int:
+        """A descriptor on the slot's claim FIFO; a byte written to it starts the runner."""
+        return os.open(self.root / "bridge" / CLAIM_FIFO, os.O_RDWR | os.O_NONBLOCK | os.O_CLOEXEC)
+
     def dirs(self) -> dict[str, Path]:
         return {name: self.root / name for name, _ in SLOT_TARGETS}
 
@@ -168,6 +175,7 @@ class LateBinder:
         slot.root.mkdir(mode=0o755)
         for d in slot.dirs().values():
             d.mkdir(mode=0o755)
+        os.mkfifo(slot.root / "bridge" / CLAIM_FIFO, 0o644)
         return slot
 
     def bind_plan(self, slot: Slot, plan: MountPlan) -> None:
@@ -227,6 +235,15 @@ class LateBinder:
             return False
         mounted = {p for p in mountpoints() if p.startswith(str(slot.root))}
         return _prune(slot.root, mounted, 0)
+
+    def teardown(self) -> None:
+        """Detach every mount under the root (slots, stage, and what they hold).
+
+        Only once no sandbox of this gateway uses them (tests, benchmarks, uninstall)."""
+        prefix = str(self.root) + "/"
+        for p in sorted((p for p in mountpoints() if p.startswith(prefix)), key=len, reverse=True):
+            _umount(p)
+        self._ready = False
 
     def slot_ids(self) -> list[str]:
         try:
@@ -298,7 +315,9 @@ def _prune(path: Path, mounted: set[str], depth: int) -> bool:
             clean = False
         elif e.is_dir(follow_symlinks=False):
             clean = _prune(p, mounted, depth + 1) and clean
-        elif e.is_file(follow_symlinks=False) and _empty(p):
+        elif (e.name == CLAIM_FIFO and stat.S_ISFIFO(e.stat(follow_symlinks=False).st_mode)) or (
+            e.is_file(follow_symlinks=False) and _empty(p)
+        ):
             _remove_empty(p)
         else:
             clean = False

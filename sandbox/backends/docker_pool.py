@@ -20,12 +20,23 @@ import docker.types
 from cellgate.errors import MountVerificationFailed, SandboxError
 from sandbox.backends.base import SandboxHandle, SandboxNotFound
 from sandbox.backends.docker import DockerBackend, _ExecJob, create_kwargs, observe
-from sandbox.mountplan import MountPlan
+from sandbox.latebind import CLAIM_FIFO
+from sandbox.mountplan import BRIDGE, MountPlan
 from sandbox.pool import read_view, view_violations
+from sandbox.runner_client import RUNNER_NAME
 from sandbox.spec import SandboxSpec
 from sandbox.verify import ObservedContainer, violations
 
 SUPPORTED_RUNTIMES = (None, "runc")
+RUNNER_ARGV = ("python3", "-I", "-S", f"{BRIDGE}/{RUNNER_NAME}")
+# A pooled sandbox's first process: it waits (reading the slot's claim FIFO, no
+# CPU) until its claim is complete, runs the resident runner from the bridge dir
+# the claim bound, and keeps the sandbox alive if the runner ends.
+POOL_COMMAND = (
+    "/bin/sh",
+    "-c",
+    f"read _ < {BRIDGE}/{CLAIM_FIFO}; {' '.join(RUNNER_ARGV)} 2>/dev/null; exec sleep infinity",
+)
 
 
 def late_bind_refusal(runtime: str | None) -> str | None:
@@ -59,6 +70,7 @@ class DockerPoolOps:
 
     def _create(self, spec: SandboxSpec) -> SandboxHandle:
         kwargs: dict[str, Any] = create_kwargs(spec)
+        kwargs["command"] = list(POOL_COMMAND)
         kwargs["mounts"] = [
             docker.types.Mount(
                 m.target, m.source, type="bind", read_only=m.read_only, propagation="rslave"

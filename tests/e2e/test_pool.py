@@ -22,7 +22,7 @@ import pytest
 
 from orchestrator.pool import WarmPool
 from sandbox.backends.docker import DockerBackend
-from sandbox.latebind import slot_path
+from sandbox.latebind import LateBinder, slot_path
 from sandbox.spec import LABEL_GATEWAY
 from tests.e2e.conftest import (
     CANARIES,
@@ -33,6 +33,7 @@ from tests.e2e.conftest import (
 )
 from tests.e2e.test_isolation import *  # noqa: F403 - the isolation suite, pool on
 from tests.e2e.test_isolation import A, B, dir_of
+from tests.support.run_id import RUN_ID
 from tests.support.served import served_gateway
 
 pytestmark = pytest.mark.docker
@@ -48,7 +49,8 @@ def live(
     base_image: str,
 ) -> Iterator[LiveGateway]:
     runtime = request.param
-    gateway: dict[str, Any] = {"limits": {"pids": 64}, "pool": POOL}
+    # both are opt-in (F1, F2): this suite turns them on
+    gateway: dict[str, Any] = {"limits": {"pids": 64}, "pool": POOL, "residentRunner": True}
     if runtime == "runsc":
         if "runsc" not in (docker_client.info().get("Runtimes") or {}):
             pytest.skip("the engine has no runsc runtime registered")
@@ -74,6 +76,7 @@ def live(
             else:
                 os.environ[k] = v
         remove_app_containers(docker_client, app)
+        LateBinder(config_path.parent / "pool" / RUN_ID).teardown()
 
 
 def pool_of(live: LiveGateway) -> WarmPool:
