@@ -9,6 +9,7 @@ its own bridge socket (P1). Two chats of an isolated app agent never share.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import secrets
 from collections.abc import AsyncIterator
@@ -17,8 +18,10 @@ from typing import Any
 import pytest
 
 from cellgate.errors import MountVerificationFailed
+from cellgate.models import ConversationKey
 from orchestrator.gateway import Gateway
 from orchestrator.shared_sandbox import SHARED_HOME
+from orchestrator.store import conversation_id
 from sandbox.spec import LABEL_GATEWAY, shared_sandbox_name
 from tests.support.app_gateways import MakeGateway, app_gateways
 from tests.support.run_id import RUN_ID
@@ -115,3 +118,24 @@ async def test_S6_two_chats_of_an_isolated_app_agent_never_share(
     assert b.result.reply.count("api-chat-") == 1, b.result.reply
     assert a.sandbox != b.sandbox
     assert shared_sandbox_name(rt.app.name) not in (a.sandbox, b.sandbox)
+
+
+async def test_S6_R4_app_container_is_not_evicted_under_another_chats_turn(
+    gateways: MakeGateway,
+) -> None:
+    gw: Gateway = await gateways(False)
+    agent = _agent(gw)
+    slow = asyncio.create_task(gw.turn(agent, "api", "chat-a", "sleep 5; echo a-done"))
+    await asyncio.sleep(1.5)  # A's turn is running in the app container
+    quick = await gw.turn(agent, "api", "chat-b", "echo b-done")  # the row now names chat B
+    name = quick.sandbox
+    row = gw.store.get_sandbox(name)
+    assert row is not None and row.conversation_id != conversation_id(
+        ConversationKey(agent, "api", "chat-a")
+    )
+    (live,) = [s for s in await gw.sandboxes.live() if s.name == name]
+    assert live.busy  # A's turn counts, though the row names B
+    assert not await gw.sandboxes.evict(name)
+    assert "a-done" in (await slow).result.reply
+    (live,) = [s for s in await gw.sandboxes.live() if s.name == name]
+    assert not live.busy
