@@ -121,5 +121,4 @@ class HostSessions:
             env=env,
             shown_workspace=PurePosixPath(str(self.workspace)),
             bridge_argv=(sys.executable, str(paths.bridge_dir / "cellgate-tool")),
-            record=False,
         )

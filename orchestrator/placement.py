@@ -7,8 +7,11 @@ Three kinds of agent, one shape for the turn runner:
   (`shared_sandbox.SharedAppSandbox`);
 - a host agent: processes on the gateway host (`host_agents.HostSessions`).
 
-Each answers `ensure(key, session_id)` with a `Placement`: the exec handle
-and backend, the conversation's host paths, and how the session sees them.
+The container kinds answer `ensure(key, session_id)` with a verified
+`PreparedSandbox` (`.placement()`), the host kind `prepare(key, session_id)`
+directly; `TurnRunner.execute` picks by `AgentRuntime.host`. A `Placement` is
+the exec handle and backend, the conversation's host paths, and how the
+session sees them.
 """
 
 from __future__ import annotations
@@ -36,16 +39,13 @@ class Placement:
     - `env`: session environment added to `runner.session_env` (e.g. `CELLGATE_BRIDGE`).
     - `shown_workspace`: where the session sees the workspace (`/workspace` in a container).
     - `bridge_argv`: how the session calls a bridge tool (`cellgate-tool`).
-    - `app`, `spec_hash`: for the store's sandbox row; `record` False: no row (host).
     """
 
     handle: SandboxHandle
     paths: ConversationPaths
     home: str
     workdir: str
-    app: str = ""
     backend: SandboxBackend | None = None
     env: Mapping[str, str] = field(default_factory=dict)
     shown_workspace: PurePosixPath = WORKSPACE
     bridge_argv: tuple[str, ...] = DEFAULT_BRIDGE_ARGV
-    record: bool = True

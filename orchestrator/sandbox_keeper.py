@@ -107,8 +107,12 @@ class SandboxKeeper:
             return await asyncio.to_thread(self.store.live_sessions, sb.agent)
         return await asyncio.to_thread(self.store.live_sessions, conversation=sb.conversation_id)
 
-    def _turn_in(self, sb: Sandbox, sessions: list[Session]) -> bool:
-        convs = {sb.conversation_id, *(s.conversation_id for s in sessions)}
+    def _turn_in(self, sb: Sandbox, sessions: list[Session], *, own: bool = True) -> bool:
+        """A turn runs (or waits) in `sb`; `own=False` leaves out its recorded conversation's
+        lock (held by the reaper's guard around the check itself)."""
+        convs = {s.conversation_id for s in sessions} | {sb.conversation_id}
+        if not own:
+            convs.discard(sb.conversation_id)
         return any(s.busy for s in sessions) or any(self.loop.conversation_busy(c) for c in convs)
 
     async def _last_active(self, name: str) -> float | None:
@@ -122,7 +126,7 @@ class SandboxKeeper:
         sb = await asyncio.to_thread(self.store.get_sandbox, name)
         if sb is None:
             return False
-        return self._turn_in(sb, await self._sessions_in(sb))
+        return self._turn_in(sb, await self._sessions_in(sb), own=False)
 
     @contextlib.asynccontextmanager
     async def _guard(self, name: str) -> AsyncIterator[None]:

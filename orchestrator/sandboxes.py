@@ -116,7 +116,6 @@ class PreparedSandbox:
             paths=self.paths,
             home=self.spec.home,
             workdir=self.spec.workdir,
-            app=self.spec.app,
             env=self.env,
         )
 

@@ -9,6 +9,7 @@ its own bridge socket (P1). Two chats of an isolated app agent never share.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import secrets
 from collections.abc import AsyncIterator
@@ -16,11 +17,15 @@ from typing import Any
 
 import pytest
 
-from cellgate.errors import MountVerificationFailed
+from cellgate.errors import MountVerificationFailed, SandboxError
+from cellgate.models import ConversationKey
+from orchestrator.config import load_config
 from orchestrator.gateway import Gateway
 from orchestrator.shared_sandbox import SHARED_HOME
+from orchestrator.store import conversation_id
+from sandbox.backends.docker import DockerBackend
 from sandbox.spec import LABEL_GATEWAY, shared_sandbox_name
-from tests.support.app_gateways import MakeGateway, app_gateways
+from tests.support.app_gateways import MakeGateway, app_gateways, install
 from tests.support.run_id import RUN_ID
 
 pytestmark = pytest.mark.docker
@@ -115,3 +120,61 @@ async def test_S6_two_chats_of_an_isolated_app_agent_never_share(
     assert b.result.reply.count("api-chat-") == 1, b.result.reply
     assert a.sandbox != b.sandbox
     assert shared_sandbox_name(rt.app.name) not in (a.sandbox, b.sandbox)
+
+
+async def test_S6_R4_app_container_is_not_evicted_under_another_chats_turn(
+    gateways: MakeGateway,
+) -> None:
+    gw: Gateway = await gateways(False)
+    agent = _agent(gw)
+    slow = asyncio.create_task(gw.turn(agent, "api", "chat-a", "sleep 5; echo a-done"))
+    await asyncio.sleep(1.5)  # A's turn is running in the app container
+    quick = await gw.turn(agent, "api", "chat-b", "echo b-done")  # the row now names chat B
+    name = quick.sandbox
+    row = gw.store.get_sandbox(name)
+    assert row is not None and row.conversation_id != conversation_id(
+        ConversationKey(agent, "api", "chat-a")
+    )
+    (live,) = [s for s in await gw.sandboxes.live() if s.name == name]
+    assert live.busy  # A's turn counts, though the row names B
+    assert not await gw.sandboxes.evict(name)
+    assert "a-done" in (await slow).result.reply
+    (live,) = [s for s in await gw.sandboxes.live() if s.name == name]
+    assert not live.busy
+
+
+async def test_S6_R1_another_gateways_app_container_of_the_same_name_is_left_alone(
+    gateways: MakeGateway,
+    tmp_path_factory: pytest.TempPathFactory,
+    docker_client: Any,
+    base_image: str,
+) -> None:
+    gw: Gateway = await gateways(False)
+    agent = _agent(gw)
+    rt = gw.agents[agent]
+    assert rt.app is not None
+    mine = await gw.turn(agent, "api", "chat-a", "echo mine")
+    before = docker_client.api.inspect_container(mine.sandbox)["Id"]
+    other_id = f"{RUN_ID}-b"
+    config = install(
+        tmp_path_factory.mktemp("twin"),
+        docker_client,
+        base_image,
+        rt.app.name,
+        False,
+        gateway_id=other_id,
+    )
+    other = Gateway(load_config(config), DockerBackend.from_env())
+    try:
+        await other.start()  # its reconciliation does not touch this gateway's container
+        with pytest.raises(SandboxError, match="belongs to another gateway"):
+            await other.turn(agent, "api", "chat-a", "echo theirs")
+    finally:
+        await other.close()
+        for row in docker_client.api.containers(
+            all=True, filters={"label": [f"{LABEL_GATEWAY}={other_id}"]}
+        ):
+            docker_client.api.remove_container(row["Id"], force=True)
+    assert docker_client.api.inspect_container(mine.sandbox)["Id"] == before
+    again = await gw.turn(agent, "api", "chat-b", "echo still-mine")
+    assert again.sandbox == mine.sandbox and "still-mine" in again.result.reply

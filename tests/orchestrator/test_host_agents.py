@@ -29,11 +29,13 @@ from orchestrator.keys import MCP_KEY_PREFIX
 from sandbox.backends.host import HostExec, host_handle
 from tests.e2e.conftest import SUITE_ADMISSION
 from tests.fakes.no_engine import NoEngineBackend
+from tests.fakes.openai_standin import OpenAIStandin, call, final, tool_results
 from tests.support.run_id import seed_gateway_id
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 AGENT = "hosty"
 CANARY = "123456789:canaryHOSTtokenAAAAAAAAAAAAAAAAAAAAAAAA"
+MODEL_KEY = "sk-standinHOSTkey-0123456789abcdef"
 REPORT = (
     'echo "ns=$(readlink /proc/self/ns/pid)"; echo "host=$(hostname)"; echo "cwd=$(pwd)"; '
     'echo "home=$HOME"; echo "key=$CELLGATE_API_KEY"; echo "bridge=$CELLGATE_BRIDGE"; env'
@@ -214,3 +216,37 @@ async def test_S6_R3_host_exec_bounds_output_time_and_children(tmp_path: Path) -
     assert len(fed.stdout) == 4096 and fed.exit_code == 0
     missing = await ex.exec(handle, ["/nonexistent/agent-binary"])
     assert missing.exit_code == 127 and b"cannot start" in missing.stderr
+
+
+async def test_S6_host_agent_runs_the_openai_harness_on_the_host(
+    make: Callable[..., Gateway], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("OPENAI_API_KEY", CANARY)
+    with OpenAIStandin(key=MODEL_KEY) as ai:
+        gw = make(
+            {
+                "id": AGENT,
+                "isolateMemory": True,
+                "harness": {
+                    "type": "openai",
+                    "baseUrl": ai.base_url,
+                    "model": "standin-1",
+                    "apiKey": MODEL_KEY,
+                },
+            }
+        )
+        ai.script(
+            call("shell", command="readlink /proc/self/ns/pid; pwd; env"),
+            call("write_file", path="note.txt", content="from the model"),
+            call("reply", text="to-alice"),
+            lambda body: final("done: " + " | ".join(tool_results(body))[:2000]),
+        )
+        out = await gw.turn(AGENT, "api", "alice", "go")
+        shell_out = tool_results(ai.requests[1].body)[0]
+    rt = gw.agents[AGENT]
+    assert rt.host is not None and out.result.ok, out.result.reply
+    chat = rt.host.workspace / "chats" / ConversationKey(AGENT, "api", "alice").dir_name
+    assert shell_out.splitlines()[:2] == [os.readlink("/proc/self/ns/pid"), str(chat)]
+    assert (chat / "note.txt").read_text() == "from the model"
+    assert [m.text for m in out.result.messages_sent] == ["to-alice"]
+    assert MODEL_KEY not in shell_out and CANARY not in shell_out  # K1: not in its processes

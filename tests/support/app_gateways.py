@@ -27,7 +27,15 @@ from tests.e2e.conftest import SUITE_ADMISSION
 from tests.support.run_id import RUN_ID, remove_run_containers
 
 
-def install(tmp: Path, docker_client: Any, base_image: str, app: str, isolated: bool) -> Path:
+def install(
+    tmp: Path,
+    docker_client: Any,
+    base_image: str,
+    app: str,
+    isolated: bool,
+    *,
+    gateway_id: str = RUN_ID,
+) -> Path:
     src = tmp / "app-src"
     shutil.copytree(sample_app_dir(), src, symlinks=True)
     manifest = yaml.safe_load((src / "app.yaml").read_text())
@@ -37,7 +45,7 @@ def install(tmp: Path, docker_client: Any, base_image: str, app: str, isolated: 
     (src / "app.yaml").write_text(yaml.safe_dump(manifest))
     state = tmp / "state"
     state.mkdir()
-    write_gateway_id(state, RUN_ID)
+    write_gateway_id(state, gateway_id)
     config = state / "config.json"
     write_config_document(
         config,
