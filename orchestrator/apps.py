@@ -86,6 +86,8 @@ def load_manifest(app_dir: Path) -> AppManifest:
         doc = yaml.safe_load(path.read_text(encoding="utf-8"))
     except FileNotFoundError as exc:
         raise ConfigError(str(path), "", "no app.yaml in this directory") from exc
+    except OSError as exc:
+        raise ConfigError(str(path)[:300], "", f"cannot read: {exc.strerror}") from exc
     except yaml.YAMLError as exc:
         raise ConfigError(str(path), "", f"not valid YAML: {exc}") from exc
     try:
