@@ -312,7 +312,11 @@ def install_app(
     agent_root = state_dir / "agents" / svc.name
     workspace = agent_root / "workspace"
     if workspace.exists():
-        raise AppError(manifest.name, f"agent workspace {workspace} already exists")
+        raise AppError(
+            manifest.name,
+            f"agent workspace {workspace} already exists (an uninstall without --purge keeps "
+            "it): restore a backup with `cellgate apps restore`, or move it away",
+        )
     template = template_dir(app_dir, manifest)
     ref, iid = build_or_check_image(app_dir, manifest, docker, progress, build_args)
 
