@@ -1,4 +1,4 @@
-"""`cellgate`: serve, demo, doctor, apps install, keys."""
+"""`cellgate`: serve, demo, doctor, apps (install, update, backup, ...), keys."""
 
 from __future__ import annotations
 
