@@ -22,6 +22,7 @@ import io
 import json
 import logging
 import os
+import re
 import secrets
 import shutil
 import sqlite3
@@ -42,6 +43,7 @@ from orchestrator.apps import (
     write_agent_entry,
     write_record,
 )
+from orchestrator.config import AGENT_ID_RE
 from orchestrator.store.db import DB_FILE, Database
 from policies.archive import ArchiveLimits, MemberFacts, member_allowed
 from sandbox.images import Progress, image_exists
@@ -346,14 +348,19 @@ def _import_rows(state_dir: Path, rows: Mapping[str, Any], agent: str) -> int:
             for m in rows.get("messages", []):
                 if m["conversation_id"] not in known:
                     continue
-                state = m["state"] if m["state"] in ("delivered", "failed", "replied") else "failed"
+                # An answered turn comes back delivered (never sent twice); one caught
+                # mid-turn comes back failed (never run again).
+                state = {"delivered": "delivered", "replied": "delivered"}.get(m["state"], "failed")
+                if m["state"] == "failed":
+                    state = "failed"
                 cur = conn.execute(
                     "INSERT OR IGNORE INTO messages (conversation_id, platform_message_id, sender,"
                     " text, attachments, received_at, state, attempts, error, updated_at)"
                     " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?) RETURNING id",
                     (m["conversation_id"], m["platform_message_id"], m["sender"], m["text"],
                      m["attachments"], m["received_at"], state, m["attempts"],
-                     m["error"] if state == m["state"] else "restored from a backup mid-turn",
+                     m["error"] if state != "failed" or m["state"] == "failed"
+                     else "restored from a backup mid-turn",
                      m["updated_at"]),
                 )  # fmt: skip
                 row = cur.fetchone()
@@ -367,7 +374,7 @@ def _import_rows(state_dir: Path, rows: Mapping[str, Any], agent: str) -> int:
                     "INSERT OR IGNORE INTO replies (message_id, conversation_id, outbound_key,"
                     " text, created_at, delivered_at) VALUES (?, ?, ?, ?, ?, ?)",
                     (new_id, r["conversation_id"], f"reply:{new_id}", r["text"], r["created_at"],
-                     r["delivered_at"]),
+                     r["delivered_at"] or r["created_at"]),
                 )  # fmt: skip
             for k in rows.get("api_chat_keys", []):
                 if k["conversation_id"] in known:
@@ -429,11 +436,19 @@ def _move_in(
         name, agent = str(meta["app"]), str(meta["agent"])
         if meta.get("format") != FORMAT:
             raise AppError(name, f"backup format {meta.get('format')!r} is not {FORMAT}")
+        record = json.loads((staging / "app" / "app.json").read_text(encoding="utf-8"))
+        rows_file = staging / ROWS
+        if rows_file.stat().st_size > MAX_ROWS_BYTES:
+            raise AppError(name, f"{ROWS} is over {MAX_ROWS_BYTES} bytes")
+        rows = json.loads(rows_file.read_text(encoding="utf-8"))
     except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise AppError("restore", f"the archive has no usable {MANIFEST}: {exc}") from exc
-    if (staging / ROWS).stat().st_size > MAX_ROWS_BYTES:
-        raise AppError(name, f"{ROWS} is over {MAX_ROWS_BYTES} bytes")
-    rows = json.loads((staging / ROWS).read_text(encoding="utf-8"))
+        raise AppError("restore", f"the archive is not a usable cellgate backup: {exc}") from exc
+    names = (name, agent, record.get("name"), record.get("agent"))
+    if not all(isinstance(n, str) and re.fullmatch(AGENT_ID_RE, n) for n in names) or (
+        record.get("name"), record.get("agent")) != (name, agent):  # fmt: skip
+        raise AppError("restore", "archive refused: its app or agent name is not a plain name")
+    if not isinstance(rows, dict):
+        raise AppError(name, f"archive refused: {ROWS} is not an object")
     record_dir = state_dir / "apps" / name
     agent_root = state_dir / "agents" / agent
     if (record_dir / "app.json").exists():

@@ -86,6 +86,8 @@ def load_manifest(app_dir: Path) -> AppManifest:
         doc = yaml.safe_load(path.read_text(encoding="utf-8"))
     except FileNotFoundError as exc:
         raise ConfigError(str(path), "", "no app.yaml in this directory") from exc
+    except OSError as exc:
+        raise ConfigError(str(path)[:300], "", f"cannot read: {exc.strerror}") from exc
     except yaml.YAMLError as exc:
         raise ConfigError(str(path), "", f"not valid YAML: {exc}") from exc
     try:
@@ -310,7 +312,11 @@ def install_app(
     agent_root = state_dir / "agents" / svc.name
     workspace = agent_root / "workspace"
     if workspace.exists():
-        raise AppError(manifest.name, f"agent workspace {workspace} already exists")
+        raise AppError(
+            manifest.name,
+            f"agent workspace {workspace} already exists (an uninstall without --purge keeps "
+            "it): restore a backup with `cellgate apps restore`, or move it away",
+        )
     template = template_dir(app_dir, manifest)
     ref, iid = build_or_check_image(app_dir, manifest, docker, progress, build_args)
 

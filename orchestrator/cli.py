@@ -1,4 +1,4 @@
-"""`cellgate`: serve, demo, doctor, apps install, keys, cron."""
+"""`cellgate`: serve, demo, doctor, apps (install, update, backup, ...), keys, cron."""
 
 from __future__ import annotations
 

@@ -35,6 +35,7 @@ from orchestrator.store import Conversation, ConversationId, Message, Store
 from orchestrator.turns import RunTurn, TurnAnswer, TurnLoop
 from policies.lifecycle import restart_needed
 from sandbox.backends.base import SandboxBackend
+from sandbox.runtime_check import check_runtimes
 
 logger = logging.getLogger(__name__)
 
@@ -250,6 +251,11 @@ class Reloader:
             logger.info("agent %s stopped: %s", agent_id, p.why)
             return
         new = await asyncio.to_thread(self._load, p.config)
+        if new.app is not None and new.sandboxes is not None and new.unavailable is None:
+            wanted = {agent_id: (self.config.gateway.runtime, new.app.image_id)}
+            verdict = (await check_runtimes(self.backend, wanted)).get(agent_id)
+            if verdict is not None and not verdict.ok:  # S2, as at start
+                new.unavailable = verdict.summary
         self.agents.put(agent_id, new)
         self.restarts += 1
         logger.info(

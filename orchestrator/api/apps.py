@@ -10,15 +10,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any, TypeVar
 
 from fastapi import APIRouter, Depends
 from fastapi import Path as PathParam
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from cellgate.errors import AppError, ConfigError, SandboxError
+from cellgate.errors import AppError, ConfigError, ImageError, SandboxError
 from orchestrator import app_backup, app_ops
 from orchestrator.api.auth import CallerKey, require
 from orchestrator.api.context import ApiContext, context
@@ -37,6 +38,11 @@ Ctx = Annotated[ApiContext, Depends(context)]
 AppName = Annotated[str, PathParam(pattern=AGENT_ID_RE)]
 T = TypeVar("T")
 RETIRE_SECONDS = 600.0
+ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,127}")
+
+
+HostPath = Annotated[str, Field(min_length=1, max_length=4096, pattern=r"^[^\x00]+$")]
+"""A path on the gateway host (admin keys only): no NUL, bounded."""
 
 
 class _In(BaseModel):
@@ -44,30 +50,38 @@ class _In(BaseModel):
 
 
 class InspectIn(_In):
-    path: str | None = Field(None, max_length=4096, description="An app directory on the host.")
+    path: HostPath | None = Field(None, description="An app directory on the host.")
     name: str | None = Field(None, pattern=AGENT_ID_RE, description="An installed app.")
 
 
 class DirIn(_In):
-    path: str = Field(max_length=4096, description="The release's directory on the host.")
+    path: HostPath = Field(description="The release's directory on the host.")
 
 
 class ReconfigureIn(_In):
     env: dict[str, str] = Field(default_factory=dict, max_length=200)
     unset_env: list[str] = Field(default_factory=list, alias="unsetEnv", max_length=200)
 
+    @field_validator("env")
+    @classmethod
+    def _env_names(cls, v: dict[str, str]) -> dict[str, str]:
+        for name, value in v.items():
+            if not ENV_NAME.fullmatch(name) or "\x00" in value or len(value) > 8192:
+                raise ValueError(f"{name[:60]!r}: a variable name, and a value without NUL")
+        return v
+
 
 class UninstallIn(_In):
     purge: bool = False
-    backup_path: str | None = Field(None, alias="backupPath", max_length=4096)
+    backup_path: HostPath | None = Field(None, alias="backupPath")
 
 
 class BackupIn(_In):
-    path: str | None = Field(None, max_length=4096)
+    path: HostPath | None = None
 
 
 class RestoreIn(_In):
-    archive: str = Field(max_length=4096)
+    archive: HostPath
 
 
 def _config_path(ctx: ApiContext) -> Path:
@@ -90,8 +104,10 @@ async def _run(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
     """A synchronous app operation in a thread, its errors as 4xx answers for the operator."""
     try:
         return await asyncio.to_thread(fn, *args, **kwargs)
-    except (AppError, ConfigError) as exc:
+    except (AppError, ConfigError, ImageError) as exc:
         raise ApiError(409, "app_error", str(exc)) from exc
+    except OSError as exc:  # a path the operator gave that cannot be used
+        raise ApiError(400, "bad_path", f"{exc.strerror}: {str(exc.filename)[:300]}") from exc
     except SandboxError as exc:
         raise ApiError(502, "engine_error", str(exc)) from exc
 

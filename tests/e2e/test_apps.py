@@ -13,6 +13,7 @@ import json
 import os
 import shutil
 import signal
+import tarfile
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -132,6 +133,20 @@ def wait_for(what: str, check: Callable[[], bool], seconds: float = 30) -> None:
         time.sleep(0.1)
 
 
+def running(gw: Gateway, agent: str, version: str) -> bool:
+    """The agent's runtime serves `version` of its app and takes turns."""
+    rt = gw.agents.get(agent)
+    return (
+        rt is not None and rt.app is not None and rt.app.version == version
+        and rt.app.running and rt.unavailable is None
+    )  # fmt: skip
+
+
+def app_env(gw: Gateway, agent: str) -> dict[str, str]:
+    rt = gw.agents.get(agent)
+    return dict(rt.app.environment) if rt is not None and rt.app is not None else {}
+
+
 def entry(config: Path, agent: str) -> dict[str, Any] | None:
     agents = json.loads(config.read_text())["agents"]
     return next((a for a in agents if a["id"] == agent), None)
@@ -179,7 +194,7 @@ def test_S5_L3_L4_app_life_over_the_cli(
         v2 = release(tmp_path, app, "2", "PERSONA-TWO")
         assert cli(["apps", "update", str(v2), "--config", str(config)]) == 0
         assert not sandboxes(docker_client, app) & before
-        wait_for("the gateway to restart the agent", lambda: gw.reloader.restarts >= 1)
+        wait_for("the gateway to restart the agent", lambda: running(gw, agent, "2"))
         second = c.run("alice", SHOW)
         assert "release-2" in second and "PERSONA-TWO" in second and "PERSONA-ONE" not in second
         assert "fact-42" in second
@@ -197,16 +212,19 @@ def test_S5_L3_L4_app_life_over_the_cli(
         # Reconfigure: the operator's environment; the agent restarts into it.
         assert cli(["apps", "reconfigure", app, "--env", "GREETING=hola",
                     "--config", str(config)]) == 0  # fmt: skip
-        wait_for("the restart after reconfigure", lambda: gw.reloader.restarts >= 2)
+        wait_for(
+            "the restart after reconfigure",
+            lambda: running(gw, agent, "2") and "GREETING" in app_env(gw, agent),
+        )
         assert "hola" in c.run("alice", "echo $GREETING")
 
         # Stop, start.
         assert cli(["apps", "stop", app, "--config", str(config)]) == 0
-        wait_for("the restart after stop", lambda: gw.reloader.restarts >= 3)
+        wait_for("the restart after stop", lambda: gw.agents[agent].unavailable is not None)
         assert c.say("alice", "echo hi").status_code == 503
         assert not sandboxes(docker_client, app)
         assert cli(["apps", "start", app, "--config", str(config)]) == 0
-        wait_for("the restart after start", lambda: gw.reloader.restarts >= 4)
+        wait_for("the restart after start", lambda: running(gw, agent, "2"))
         assert "fact-42" in c.run("alice", "cat /workspace/chats/*/MEMORY.md")
 
         # Backup, then uninstall with --purge (which writes its own backup first).
@@ -283,6 +301,17 @@ def test_S5_L4_app_life_over_the_admin_api(
     config2 = fresh_state(tmp_path, "two", base_image)
     with served_gateway(config2, DockerBackend.from_env) as (url, _):
         c = Client(url, agent)
+        hostile = tmp_path / "hostile.tgz"  # the real backup plus a link out of the workspace
+        with tarfile.open(tmp_path / "p.tgz") as good, tarfile.open(hostile, "w:gz") as bad:
+            for m in good.getmembers():
+                bad.addfile(m, good.extractfile(m) if m.isfile() else None)
+            link = tarfile.TarInfo("workspace/chats/escape")
+            link.type, link.linkname = tarfile.SYMTYPE, "/etc"
+            bad.addfile(link)
+        r = httpx.post(f"{url}/api/v1/apps/restore", json={"archive": str(hostile)},
+                       headers=c.headers, timeout=60)  # fmt: skip
+        assert r.status_code == 409 and "links are never restored" in r.text
+        assert not (config2.parent / "agents").exists() and entry(config2, agent) is None
         c.api("/restore", {"archive": str(tmp_path / "p.tgz")})
         assert "fact-42" in c.run("alice", "cat /workspace/chats/*/MEMORY.md")
 

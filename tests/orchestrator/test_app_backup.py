@@ -138,3 +138,25 @@ def test_restore_refuses_what_is_not_an_archive(tmp_path: Path) -> None:
     junk.write_bytes(os.urandom(4096))
     with pytest.raises(AppError, match="not a readable archive"):
         restore_app(junk, config, state, None, lambda _: None)
+
+
+def test_restore_refuses_an_archive_whose_names_climb_out(tmp_path: Path) -> None:
+    state = tmp_path / "deep" / "fresh-state"
+    state.mkdir(parents=True)
+    config = state / "config.json"
+    write_config_document(config, {"gateway": {"stateDir": str(state)}, "agents": []})
+    archive = tmp_path / "names.tar.gz"
+    files = {
+        "cellgate-backup.json": b'{"format": 1, "app": "../../escaped", "agent": "x-bot"}',
+        "app/app.json": b'{"name": "../../escaped", "agent": "x-bot"}',
+        "store/rows.json": b"{}",
+        "workspace/AGENTS.md": b"persona",
+    }
+    with tarfile.open(archive, "w:gz") as tar:
+        for name, body in files.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(body)
+            tar.addfile(info, io.BytesIO(body))
+    with pytest.raises(AppError, match="not a plain name"):
+        restore_app(archive, config, state, None, lambda _: None)
+    assert not (tmp_path / "escaped").exists() and not (state / "apps").exists()
