@@ -24,7 +24,7 @@ from orchestrator.config import AgentConfig
 from orchestrator.cron.schedule import due_after, first_due, parse_schedule, stored
 from orchestrator.store.models import CronJob, CronJobId, CronType
 from orchestrator.store.views import CronStore
-from policies.cron import create_cron
+from policies.cron import JobType, create_cron
 
 __all__ = [
     "MAX_JOBS_PER_AGENT",
@@ -143,7 +143,8 @@ class CronJobs:
         facts = self._agent(agent)
         if req.type not in ("prompt", "command"):
             raise ScheduleError(f"job type {req.type[:32]!r} is unknown: use 'prompt' or 'command'")
-        decision = create_cron(facts.isolated, facts.is_app, req.type)  # type: ignore[arg-type]
+        job_type: JobType = "command" if req.type == "command" else "prompt"
+        decision = create_cron(facts.isolated, facts.is_app, job_type)
         if not decision:
             raise self._refuse(agent, decision.rule, decision.reason, via)
         payload = req.payload.strip()

@@ -24,7 +24,8 @@ import yaml
 
 from orchestrator.apps import install_app
 from orchestrator.archive import refresh
-from orchestrator.config import write_config_document
+from orchestrator.cli import main as cli_main
+from orchestrator.config import read_config_document, write_config_document
 from orchestrator.demo import sample_app_dir
 from orchestrator.store import CronJobId, Store
 from sandbox.gateway_id import write_gateway_id
@@ -230,3 +231,42 @@ def test_A2_disable_archive_no_index_no_tools_no_note_old_kb_untouched(world: Wo
     assert "A2" in refused and "blue pot" not in refused, refused
     after = os.stat(kb)
     assert (after.st_mtime_ns, after.st_size) == (before.st_mtime_ns, before.st_size)
+
+
+def _set_isolated(config: Path, agent: str, on: bool) -> None:
+    doc = read_config_document(config)
+    for entry in doc["agents"]:
+        if entry["id"] == agent:
+            entry["isolateMemory"] = on
+    write_config_document(config, doc)
+
+
+def test_C1_a_job_made_before_the_mode_was_on_waits_unchanged_and_runs_once_it_is_off(
+    world: World,
+) -> None:
+    config = world.state / "config.json"
+    world.gw.stop()
+    add = ["cron", "add", "--config", str(config), "--agent", AGENT, "--at", "+4s",
+           "--prompt", "echo c1-ran", "--channel", "api", "--chat", "c1-chat"]  # fmt: skip
+    assert cli_main(add) == 0
+    with Store.open(world.state) as store:
+        [job] = [j for j in store.cron_jobs(AGENT) if j.chat_id == "c1-chat"]
+    _set_isolated(config, AGENT, True)
+    try:
+        world.gw.start()
+        body = {"prompt": "x", "every": 3600, "channel": "api", "chat_id": "c"}
+        refused = world.api("POST", f"/v1/agents/{AGENT}/cron", json=body)
+        assert refused.status_code == 403 and refused.json()["error"]["rule"] == "C1"
+        time.sleep(12)  # due 4 s after it was made; the scheduler looked at least twice
+        assert world.answered("c1-chat") == []
+        with Store.open(world.state) as store:
+            assert store.get_cron_job(job.id) == job  # stored unchanged: not used up
+        world.gw.stop()
+    finally:
+        _set_isolated(config, AGENT, False)
+    world.gw.start()
+    [(_, reply)] = world.wait_answered("c1-chat")
+    assert "c1-ran" in reply
+    with Store.open(world.state) as store:
+        ran = store.get_cron_job(job.id)
+        assert ran is not None and ran.runs == 1 and not ran.enabled
