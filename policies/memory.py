@@ -33,6 +33,7 @@ __all__ = [
     "archive_file",
     "archive_index",
     "budget_banner",
+    "mask_secret_lines",
     "memory_content",
     "memory_file_for",
     "memory_target",
@@ -182,6 +183,20 @@ def secret_lines(text: str) -> tuple[str, tuple[SecretLine, ...]]:
             continue
         kept.append(line)
     return "".join(kept), tuple(dropped)
+
+
+def mask_secret_lines(text: str) -> tuple[str, tuple[SecretLine, ...]]:
+    """M8 for the archive: `text` with each secret-looking line replaced by a marker, so
+    line numbers still match the file (memory_search hits, memory_get excerpts)."""
+    _, dropped = secret_lines(text)
+    if not dropped:
+        return text, dropped
+    kinds = {d.line: d.kind for d in dropped}
+    out = [
+        f"[line left out: it seems to carry {kinds[n]} (M8)]\n" if n in kinds else line
+        for n, line in enumerate(text.splitlines(keepends=True), start=1)
+    ]
+    return "".join(out), dropped
 
 
 def secret_banner(name: str, dropped: tuple[SecretLine, ...]) -> str | None:

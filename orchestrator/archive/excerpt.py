@@ -14,7 +14,7 @@ from pathlib import Path
 
 from cellgate.errors import PolicyDenied, UnsafePath
 from orchestrator.safefs import SafeDir
-from policies.memory import archive_file
+from policies.memory import archive_file, mask_secret_lines
 
 __all__ = ["MAX_CHARS", "MAX_LINES", "READ_CAP_BYTES", "Excerpt", "excerpt"]
 
@@ -55,7 +55,7 @@ def excerpt(workspace: Path, path: str, start: int = 1, lines: int = 60) -> Exce
         ) from exc
     if raw is None:
         raise FileNotFoundError(rel)
-    all_lines = raw.decode("utf-8", "replace").splitlines()
+    all_lines = mask_secret_lines(raw.decode("utf-8", "replace"))[0].splitlines()  # M8
     chosen = all_lines[start - 1 : start - 1 + lines]
     text = "\n".join(chosen)
     truncated = len(text) > MAX_CHARS or start - 1 + lines < len(all_lines)

@@ -34,7 +34,7 @@ from pathlib import Path
 
 from cellgate.errors import StoreError, UnsafePath
 from orchestrator.safefs import SafeDir
-from policies.memory import archive_index
+from policies.memory import archive_index, mask_secret_lines
 
 __all__ = [
     "FILE_CAP_BYTES",
@@ -168,6 +168,11 @@ def _sources(ws: SafeDir) -> tuple[list[_Source], int]:
     return found, skipped
 
 
+def _shown(raw: bytes) -> str:
+    """The file's text as the archive may hold it: secret-looking lines masked (M8)."""
+    return mask_secret_lines(raw.decode("utf-8", "replace"))[0]
+
+
 def _chunks(text: str) -> Iterator[tuple[int, str]]:
     """(first line, text) pieces of at most CHUNK_LINES lines, cut at blank lines."""
     start, buf, size = 0, list[str](), 0
@@ -230,7 +235,7 @@ def refresh(kb: Path, workspace: Path) -> RefreshStats:
                     read += 1
                     db.executemany(
                         "INSERT INTO chunks (text, path, line) VALUES (?, ?, ?)",
-                        [(t, src.rel, line) for line, t in _chunks(raw.decode("utf-8", "replace"))],
+                        [(t, src.rel, line) for line, t in _chunks(_shown(raw))],
                     )
                     db.execute(
                         "INSERT INTO files VALUES (?, ?, ?, ?)",

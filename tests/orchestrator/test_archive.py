@@ -202,3 +202,24 @@ def test_R3_the_whole_index_is_bounded_across_refreshes(
         refresh(kb, ws_of(state))
     found = [i for i in range(10) if search(kb, f"token{i}")]
     assert len(found) <= 3  # never more than the cap, however many spawns added files
+
+
+def test_M8_A1_a_secret_line_is_neither_indexed_nor_shown_by_memory_get(state: Path) -> None:
+    """A sandbox can write a key into memory/*.md with its shell; the archive never carries it
+    to a later session: the line is masked in the index and in excerpts, numbering kept."""
+    token = "ghp_" + "A1b2C3d4E5f6G7h8I9j0K1l2M3n4O5p6Q7r8"
+    (ws_of(state) / "memory" / "keys.md").write_text(
+        f"deploy notes\nthe github token is {token}\nrotate it monthly\n"
+    )
+    kb = kb_path(state, "bot")
+    refresh(kb, ws_of(state))
+    assert not search(kb, "ghp_" + token[4:12])
+    assert token not in str(search(kb, "github token"))
+    hits = search(kb, "rotate monthly")
+    assert hits and all(token not in h.snippet for h in hits)
+    got = excerpt(ws_of(state), "memory/keys.md")
+    assert token not in got.text and got.total_lines == 3
+    assert got.text.splitlines()[2] == "rotate it monthly"
+    assert "M8" in got.text.splitlines()[1]
+    with sqlite3.connect(kb) as db:
+        assert not [r for r in db.execute("SELECT text FROM chunks") if token in r[0]]
