@@ -50,7 +50,7 @@ from orchestrator.config import load_config, write_config_document
 from orchestrator.gateway import Gateway, TurnOutcome
 from orchestrator.pool import WarmPool
 from orchestrator.sandboxes import ConversationSandboxes, SandboxPool
-from sandbox.latebind import LateBinder
+from sandbox.latebind import LateBinder, detach_under
 
 APP = "cgpool"
 WARMUP = 2
@@ -137,6 +137,7 @@ class Bench:
         finally:
             self.run.cleanup()  # the containers first, then the slots' mounts
             LateBinder(self.run.state / "pool" / self.run.gateway_id).teardown()
+            detach_under(self.run.state)  # the quota images' mounts (R2) of its conversations
 
 
 async def _wake(pool: WarmPool) -> None:

@@ -10,7 +10,9 @@ timed-out command left (by the same exec marker). `ready` is called once a
 turn's sandbox is verified: it opens the runner socket in the conversation's
 bridge directory and, off the turn's path, starts the runner (a detached
 exec); a sandbox whose runner never comes is asked again at most
-`MAX_LAUNCHES` times.
+`MAX_LAUNCHES` times. runc only: under gVisor a sandbox saturated by a fork
+bomb can still start the runner's child but nothing below it, so it would
+never show as spent to exec (and be replaced); its turns keep using exec.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ logger = logging.getLogger(__name__)
 MAX_RUNNERS = 4096
 MAX_LAUNCHES = 3
 TRIGGERED_WAIT = 0.5
+RUNNER_RUNTIMES = (None, "runc")
 
 
 class ResidentBackend(SandboxBackend):
@@ -62,6 +65,8 @@ class ResidentBackend(SandboxBackend):
 
     async def ready(self, handle: SandboxHandle, bridge_dir: Path, spec: SandboxSpec) -> None:
         """A turn's verified sandbox: its runner socket listens, and a runner is on its way."""
+        if spec.runtime not in RUNNER_RUNTIMES:
+            return  # under gVisor a saturated sandbox must still show as spent to exec (R7)
         cid = handle.container_id
         rs = self._runners.get(cid)
         if rs is not None and not rs.still_ours():

@@ -240,9 +240,7 @@ class LateBinder:
         """Detach every mount under the root (slots, stage, and what they hold).
 
         Only once no sandbox of this gateway uses them (tests, benchmarks, uninstall)."""
-        prefix = str(self.root) + "/"
-        for p in sorted((p for p in mountpoints() if p.startswith(prefix)), key=len, reverse=True):
-            _umount(p)
+        detach_under(self.root)
         self._ready = False
 
     def slot_ids(self) -> list[str]:
@@ -250,6 +248,13 @@ class LateBinder:
             return sorted(e.name for e in os.scandir(self.slots) if e.is_dir(follow_symlinks=False))
         except FileNotFoundError:
             return []
+
+
+def detach_under(root: Path) -> None:
+    """Detach every mount below `root`, deepest first (cleanup of a throwaway state dir)."""
+    prefix = str(root) + "/"
+    for p in sorted((p for p in mountpoints() if p.startswith(prefix)), key=len, reverse=True):
+        _umount(p)
 
 
 def slot_path(slot: Slot, target: PurePosixPath) -> Path:

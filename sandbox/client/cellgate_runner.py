@@ -148,6 +148,9 @@ def run(req: dict[str, object], stdin: bytes | None) -> tuple[dict[str, object],
     for f in (proc.stdout, proc.stderr, proc.stdin):
         if f is not None and not f.closed:
             f.close()
+    if code == 125 and not out and bytes(err).startswith(b"timeout: "):
+        # `timeout` itself failed (no process to spare): nothing ran, exec decides
+        return {"spawn_failed": True, "code": 125}, b"", bytes(err)
     return {"code": -1 if deadline_hit else code, "timed_out": timed_out}, bytes(out), bytes(err)
 
 
