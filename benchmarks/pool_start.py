@@ -68,10 +68,11 @@ DESCRIPTIONS = {
 
 
 def configure(run: BenchRun, burst: int) -> None:
-    """The pool on, and room for `burst` sandboxes (plus the pool) under the cap."""
+    """The pool and the resident runner on, and room for `burst` sandboxes (plus the pool) under the cap."""
     doc = load_config(run.config_path).model_dump(by_alias=True, mode="json")
     gw = doc["gateway"]
     gw["pool"] = {"size": 4, "max": burst}
+    gw["residentRunner"] = True  # both opt-in (F1, F2)
     gw["limits"]["maxSandboxes"] = 4 * burst + 16
     gw["maxConcurrentTurns"] = burst
     gw["admission"]["turnsPerSender"] = burst
