@@ -68,7 +68,7 @@ DESCRIPTIONS = {
 
 
 def configure(run: BenchRun, burst: int) -> None:
-    """The pool and the resident runner on, and room for `burst` sandboxes (plus the pool) under the cap."""
+    """The pool and the resident runner on, and room for `burst` sandboxes under the cap."""
     doc = load_config(run.config_path).model_dump(by_alias=True, mode="json")
     gw = doc["gateway"]
     gw["pool"] = {"size": 4, "max": burst}

@@ -8,11 +8,43 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Awaitable, Callable
+from typing import Protocol
 
 from cellgate.errors import CellgateError
 from cellgate.models import DeliveryReceipt, InboundMessage, OutboundMessage
 
 InboundHandler = Callable[[InboundMessage], Awaitable[None]]
+
+
+class PostedParts(Protocol):
+    """The store's ledger of posted parts (W4): a reply part is posted once, ever."""
+
+    def posted_part(self, outbound_key: str, part: int) -> str | None: ...
+
+    def record_posted_part(
+        self,
+        outbound_key: str,
+        part: int,
+        *,
+        agent: str,
+        channel: str,
+        chat_id: str,
+        platform_message_id: str,
+    ) -> None: ...
+
+
+class ChannelStore(PostedParts, Protocol):
+    """The ledger, the bot's own messages and blocked chats, as a channel uses them (W4)."""
+
+    def bot_message_known(
+        self, agent: str, channel: str, chat_id: str, platform_message_id: str
+    ) -> bool: ...
+
+    def block_chat(self, agent: str, channel: str, chat_id: str, reason: str) -> None: ...
+
+    def unblock_chat(self, agent: str, channel: str, chat_id: str) -> bool: ...
+
+    def chat_blocked(self, agent: str, channel: str, chat_id: str) -> bool: ...
 
 
 class ChatBlocked(CellgateError):

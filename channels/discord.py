@@ -38,7 +38,7 @@ from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, Protocol
+from typing import Any, Literal
 
 import aiohttp
 
@@ -51,7 +51,7 @@ from pydantic import SecretStr
 
 from cellgate.errors import CellgateError, StoreError, Throttled
 from cellgate.models import DeliveryReceipt, InboundMessage, OutboundKind, OutboundMessage
-from channels.base import Channel, ChannelFailed, ChatBlocked, InboundHandler
+from channels.base import Channel, ChannelFailed, ChannelStore, ChatBlocked, InboundHandler
 from channels.discord_cdn import CdnFetcher, Downloaded
 from channels.discord_inbound import normalize
 from channels.telegram import UNAVAILABLE_TEXT, split_text
@@ -85,31 +85,7 @@ HELP_TEXT = (
 )
 
 
-class DiscordStore(Protocol):
-    """The store as the channel uses it (W4)."""
-
-    def posted_part(self, outbound_key: str, part: int) -> str | None: ...
-
-    def record_posted_part(
-        self,
-        outbound_key: str,
-        part: int,
-        *,
-        agent: str,
-        channel: str,
-        chat_id: str,
-        platform_message_id: str,
-    ) -> None: ...
-
-    def bot_message_known(
-        self, agent: str, channel: str, chat_id: str, platform_message_id: str
-    ) -> bool: ...
-
-    def block_chat(self, agent: str, channel: str, chat_id: str, reason: str) -> None: ...
-
-    def unblock_chat(self, agent: str, channel: str, chat_id: str) -> bool: ...
-
-    def chat_blocked(self, agent: str, channel: str, chat_id: str) -> bool: ...
+DiscordStore = ChannelStore  # the store as the channel uses it (W4)
 
 
 @dataclass(frozen=True, slots=True)

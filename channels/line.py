@@ -44,7 +44,7 @@ import uuid
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import aiohttp
 import httpx
@@ -65,7 +65,7 @@ from pydantic import SecretStr
 
 from cellgate.errors import CellgateError, StoreError
 from cellgate.models import DeliveryReceipt, OutboundKind, OutboundMessage
-from channels.base import Channel, ChannelFailed, InboundHandler
+from channels.base import Channel, ChannelFailed, InboundHandler, PostedParts
 from channels.line_inbound import normalize
 from channels.telegram import split_text
 
@@ -92,21 +92,7 @@ _RETRY_NAMESPACE = uuid.UUID("6f1c52a4-4a8e-4b9e-9a55-3c0b5e1f0a11")
 _IMAGE_KEY_LABEL = b"cellgate line image urls v1"
 
 
-class LineStore(Protocol):
-    """The store as the channel uses it (W4)."""
-
-    def posted_part(self, outbound_key: str, part: int) -> str | None: ...
-
-    def record_posted_part(
-        self,
-        outbound_key: str,
-        part: int,
-        *,
-        agent: str,
-        channel: str,
-        chat_id: str,
-        platform_message_id: str,
-    ) -> None: ...
+LineStore = PostedParts  # the store as the channel uses it (W4)
 
 
 @dataclass(frozen=True, slots=True)

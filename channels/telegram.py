@@ -63,7 +63,7 @@ from cellgate.models import (
     OutboundKind,
     OutboundMessage,
 )
-from channels.base import Channel, ChannelFailed, ChatBlocked, InboundHandler
+from channels.base import Channel, ChannelFailed, ChannelStore, ChatBlocked, InboundHandler
 from channels.telegram_inbound import normalize, safe_file_name
 
 __all__ = [
@@ -96,35 +96,12 @@ UNAVAILABLE_TEXT = "this bot cannot answer right now; please try again later"
 RESET_TEXT = "Session reset: the next message starts a fresh session in this chat."
 
 
-class TelegramStore(Protocol):
-    """The store as the channel uses it (W3, W4)."""
+class TelegramStore(ChannelStore, Protocol):
+    """The store as the channel uses it (W3, W4): the ledger and its polling cursor."""
 
     def channel_cursor(self, agent: str, channel: str) -> int | None: ...
 
     def set_channel_cursor(self, agent: str, channel: str, cursor: int) -> None: ...
-
-    def posted_part(self, outbound_key: str, part: int) -> str | None: ...
-
-    def record_posted_part(
-        self,
-        outbound_key: str,
-        part: int,
-        *,
-        agent: str,
-        channel: str,
-        chat_id: str,
-        platform_message_id: str,
-    ) -> None: ...
-
-    def bot_message_known(
-        self, agent: str, channel: str, chat_id: str, platform_message_id: str
-    ) -> bool: ...
-
-    def block_chat(self, agent: str, channel: str, chat_id: str, reason: str) -> None: ...
-
-    def unblock_chat(self, agent: str, channel: str, chat_id: str) -> bool: ...
-
-    def chat_blocked(self, agent: str, channel: str, chat_id: str) -> bool: ...
 
 
 @dataclass(frozen=True, slots=True)
