@@ -9,6 +9,7 @@ A fact written in one session is found by `memory_search` from a later one.
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import shutil
 import sqlite3
@@ -234,10 +235,16 @@ def test_A2_disable_archive_no_index_no_tools_no_note_old_kb_untouched(world: Wo
 
 
 def _set_isolated(config: Path, agent: str, on: bool) -> None:
+    """The mode as a release declares it: the installed app's app.yaml and the config
+    entry (a hand edit of the config alone is reset from app.yaml at start, L3)."""
     doc = read_config_document(config)
     for entry in doc["agents"]:
         if entry["id"] == agent:
             entry["isolateMemory"] = on
+            record_path = config.parent / "apps" / entry["app"] / "app.json"
+            record = json.loads(record_path.read_text())
+            record["manifest"]["services"]["agent"]["isolate_memory"] = on
+            record_path.write_text(json.dumps(record))
     write_config_document(config, doc)
 
 
