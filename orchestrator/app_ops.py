@@ -146,7 +146,9 @@ def remove_app_sandboxes(
     removed: list[str] = []
     for row in docker.api.containers(all=True, filters={"label": labels}):
         name = str(row["Names"][0]).lstrip("/")
-        if row.get("Labels", {}).get(LABEL_CONVERSATION) in busy:
+        conversation = row.get("Labels", {}).get(LABEL_CONVERSATION)
+        # S6: the app's one container (no conversation label) is busy with any chat's turn
+        if conversation in busy or (not conversation and busy):
             progress(f"sandbox {name} is running a turn; the gateway removes it after that turn")
             continue
         progress(f"removing sandbox {name}")
