@@ -165,6 +165,7 @@ class Gateway:
             live=lambda: _count(self.sandboxes.live()),
             residents=self.runner.residents,
         )
+        self.sandboxes.pooled = self.pools.holds  # reconcile leaves the live pools' sandboxes
         self._started = False
         self._background: list[asyncio.Task[None]] = []
 

@@ -312,6 +312,19 @@ class WarmPool:
                 continue
             await asyncio.to_thread(self.binder.release, Slot(self.binder.slots / slot_id))
 
+    def holds(self, name: str) -> bool:
+        """Is `name` a sandbox of this pool (ready, being made, being claimed or claimed)?"""
+        prefix = f"{self.sandboxes.app.name}{POOL_NAME_INFIX}"
+        if not name.startswith(prefix):
+            return False
+        slot_id = name[len(prefix) :]
+        return (
+            slot_id in self._creating
+            or slot_id in self._claiming
+            or any(p.slot.id == slot_id for p in self.ready)
+            or any(c.pooled.slot.id == slot_id for c in self.claimed.values())
+        )
+
     async def run_forever(self, interval: float = REFILL_INTERVAL) -> None:
         """Refill after every claim (and every `interval`); drain when cancelled."""
         try:
@@ -376,6 +389,10 @@ class WarmPools:
                 sb.quota = SparedQuota(sb.quota, settings.size)
             sb.pool = pool
             self.pools.append(pool)
+
+    def holds(self, name: str) -> bool:
+        """Is `name` a sandbox one of this gateway's live pools holds (not an orphan)?"""
+        return any(p.holds(name) for p in self.pools)
 
     async def room(self) -> int:
         pooled = sum(len(p.ready) + len(p._creating) for p in self.pools)

@@ -59,6 +59,7 @@ class SandboxKeeper:
         self.bridge = bridge
         self.clock = clock
         self.on_removed: Callable[[str], None] = lambda agent: None  # metrics (O2)
+        self.pooled: Callable[[str], bool] = lambda name: False  # held by a live warm pool (F1)
 
     async def reconcile(self) -> int:
         """Remove this gateway's containers whose conversation is unknown or whose spec is stale."""
@@ -69,6 +70,8 @@ class SandboxKeeper:
         for info in await self.backend.list(mine):
             if info.labels.get(LABEL_APP) not in apps:
                 continue  # another gateway's, or an app this one does not serve
+            if self.pooled(info.name):
+                continue  # this process's warm pool made it; a previous run's is an orphan
             conv = known.get(ConversationId(info.labels.get(LABEL_CONVERSATION, "")))
             stale = conv is None
             if conv is not None:
