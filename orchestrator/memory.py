@@ -93,7 +93,9 @@ def read_text_nofollow(
     return None if raw is None else raw.decode("utf-8", "replace")
 
 
-def write_file_nofollow(directory: Path, name: str, data: bytes, mode: int = 0o644) -> None:
+def write_file_nofollow(
+    directory: Path, name: str, data: bytes, mode: int = 0o644, *, durable: bool = True
+) -> None:
     """Atomically replace `directory/name` with `data`, following no symlink.
 
     Done by `SafeDir.write_atomic`: a temporary file beside it, fsynced, then
@@ -102,7 +104,7 @@ def write_file_nofollow(directory: Path, name: str, data: bytes, mode: int = 0o6
     `directory` raises `UnsafePath`.
     """
     with SafeDir.open(directory) as d:
-        d.write_atomic(name, data, mode=mode)
+        d.write_atomic(name, data, mode=mode, durable=durable)
 
 
 def write_session_files(home_dir: Path, text: str) -> Path:
@@ -113,7 +115,7 @@ def write_session_files(home_dir: Path, text: str) -> Path:
     file is therefore replaced atomically, never written through a link.
     Call it each time a session spawns: the text is frozen at spawn.
     """
-    write_file_nofollow(home_dir, "CLAUDE.md", text.encode("utf-8"))
+    write_file_nofollow(home_dir, "CLAUDE.md", text.encode("utf-8"), durable=False)
     return home_dir / "CLAUDE.md"
 
 

@@ -40,7 +40,7 @@ from sandbox.backends.base import SandboxHandle, SandboxNotFound
 from sandbox.backends.docker import DockerBackend
 from sandbox.backends.docker_pool import DockerPoolOps, late_bind_refusal
 from sandbox.latebind import LateBinder, LateBindError, Slot
-from sandbox.mountplan import MountPlan
+from sandbox.mountplan import BRIDGE, MountPlan
 from sandbox.pool import POOL_NAME_INFIX, pool_key, pooled_spec
 from sandbox.spec import LABEL_APP, LABEL_GATEWAY, LABEL_MANAGED, SandboxSpec
 
@@ -189,8 +189,9 @@ class WarmPool:
 
     async def _bind(self, pooled: Pooled, spec: SandboxSpec) -> SandboxHandle | None:
         self._claiming.add(pooled.slot.id)  # the sweep leaves a slot being claimed alone
+        started = False
         try:
-            await asyncio.to_thread(self.binder.bind_plan, pooled.slot, spec.plan)
+            started = await asyncio.to_thread(self._bind_and_start, pooled, spec.plan)
             self.claimed[spec.conversation] = Claimed(pooled, spec.plan)
             await self.ops.check(pooled.spec, pooled.handle, spec.plan)
         except (CellgateError, OSError) as exc:
@@ -201,13 +202,24 @@ class WarmPool:
         finally:
             self._claiming.discard(pooled.slot.id)
         if self.residents is not None:
-            self.residents.add_starter(pooled.handle.container_id, pooled.start_runner)
+            self.residents.add_starter(pooled.handle.container_id, lambda: started)
         logger.info(
             "sandbox %s claimed from the pool",
             pooled.handle.name,
             extra={"conversation": spec.conversation},
         )
         return pooled.handle
+
+    def _bind_and_start(self, pooled: Pooled, plan: MountPlan) -> bool:
+        """Bind the plan into the slot; then (F2) start the runner at once, so that its
+        Python starts while the claim is checked and the turn prepared. Until the turn's
+        sandbox is verified nothing listens on its runner socket: a claim refused here
+        leaves a runner with nothing to serve, in a sandbox that is removed."""
+        bridge = plan.by_target().get(str(BRIDGE))
+        if self.residents is not None and bridge is not None:
+            self.residents.install(Path(bridge.source))
+        self.binder.bind_plan(pooled.slot, plan)
+        return self.residents is not None and bridge is not None and pooled.start_runner()
 
     async def _retire(self, pooled: Pooled) -> None:
         """Remove the sandbox and release its slot; it is never handed out again."""

@@ -79,7 +79,7 @@ class ResidentBackend(SandboxBackend):
             while len(self._runners) >= self.max_runners:
                 await self._close(next(iter(self._runners)))
             try:
-                await asyncio.to_thread(self._install, bridge_dir)
+                await asyncio.to_thread(self.install, bridge_dir)
                 rs = RunnerSocket(bridge_dir, cid, self.inner._output_cap)
                 await rs.listen()
             except (OSError, CellgateError) as exc:
@@ -104,9 +104,10 @@ class ResidentBackend(SandboxBackend):
             self._starters.pop(next(iter(self._starters)))
         self._starters[container_id] = start
 
-    def _install(self, bridge_dir: Path) -> None:
+    def install(self, bridge_dir: Path) -> None:
+        """Put the runner's script into the conversation's bridge directory (read-only inside)."""
         with SafeDir.open(bridge_dir) as d:
-            d.write_atomic(RUNNER_NAME, self._script, mode=0o755)
+            d.write_atomic(RUNNER_NAME, self._script, mode=0o755, durable=False)
 
     async def _launch(self, handle: SandboxHandle, user: str) -> None:
         try:

@@ -519,13 +519,21 @@ class SafeDir:
     # -- writing ----------------------------------------------------------------------
 
     def write_atomic(
-        self, name: str, data: bytes, *, mode: int = 0o644, owner: tuple[int, int] | None = None
+        self,
+        name: str,
+        data: bytes,
+        *,
+        mode: int = 0o644,
+        owner: tuple[int, int] | None = None,
+        durable: bool = True,
     ) -> None:
         """Replace `name` with `data`: temp file here, fsync, rename between descriptors.
 
         A symlink planted at `name` is replaced, never written through; a
         directory there is refused (`UnsafePath`). `owner` (uid, gid) is set
-        on the new file when the gateway runs as root.
+        on the new file when the gateway runs as root. `durable=False` skips
+        both fsyncs, for a file made anew at every spawn (a crash loses
+        nothing: the next spawn writes it again); the rename stays atomic.
         """
         _plain_name(name)
         tmp = f".{name}.{secrets.token_hex(6)}.tmp"
@@ -536,14 +544,16 @@ class SafeDir:
                 os.fchmod(fd, mode)
                 if owner is not None and os.geteuid() == 0:
                     os.fchown(fd, *owner)
-                os.fsync(fd)
+                if durable:
+                    os.fsync(fd)
             finally:
                 os.close(fd)
             try:
                 os.rename(tmp, name, src_dir_fd=self.fd, dst_dir_fd=self.fd)
             except IsADirectoryError as exc:
                 raise _not_regular(self._show(name), "dir") from exc
-            os.fsync(self.fd)
+            if durable:
+                os.fsync(self.fd)
         except BaseException:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(tmp, dir_fd=self.fd)

@@ -1,24 +1,64 @@
-"""Quota images made ahead (F1): a new conversation's first turn skips `mkfs`.
+"""Quota images made and mounted ahead (F1): a new conversation's first turn skips
+`mkfs` and the loop mount.
 
 `SparedQuota` is the app's `LoopQuota` with a few formatted images kept beside
-the conversations' (`<agent>/spare-<random>.img`, same size, same inodes). A
-conversation without an image yet takes one by renaming it into place (atomic
-in one directory: two claims never share a spare), then `LoopQuota.ensure`
-mounts it as ever (R2 unchanged: the image is one the quota code made, with
-this app's limits). `refill` makes spares up to `count`, in a worker thread.
+the conversations' (`<agent>/spare-<random>.img`, same size, same inodes), each
+already mounted at its `spare-<random>.mnt` with the quota's flags. A spare
+is made under a pending name and only named `spare-*` once it is mounted, so
+a spare image is always a mounted one (until a reboot: then the next refill
+mounts it again). A conversation without an image yet takes a spare, under
+the agent's spares lock (two claims never share one): the image is renamed
+into place (the loop device follows the rename), its mount bound onto the
+conversation's `<digest>.mnt` and the spare mount detached, all system calls
+of a few microseconds; then `LoopQuota.ensure` finds the image mounted and
+binds its subdirs as ever (R2 unchanged: the image is one the quota code
+made, with this app's limits). `refill` makes spares up to `count`, in a
+worker thread.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import re
 import secrets
+import time
 from collections.abc import Sequence
+from pathlib import Path
 
-from sandbox.quota import LoopQuota, QuotaTarget, make_image
+from cellgate.errors import QuotaError
+from sandbox.mounts import MS_BIND, MountError, detach, mount
+from sandbox.quota import (
+    MARKERS,
+    LoopQuota,
+    QuotaTarget,
+    _keep_spare_inodes,
+    _locked,
+    _mount_image,
+    loop_backing_file,
+    make_image,
+)
+
+logger = logging.getLogger(__name__)
 
 SPARE = re.compile(r"spare-[0-9a-f]{16}\.img")
+PENDING = re.compile(r"pending-[0-9a-f]{16}\.img")
+LOCK = "spares.lock"
+STALE_PENDING = 600.0  # seconds: a pending spare this old was left by a crash
+
+
+def _mounted(image: Path, mnt: Path) -> bool:
+    """Is `image` what is mounted at `mnt` (through its loop device)?"""
+    try:
+        st, parent = os.lstat(mnt), os.lstat(mnt.parent)
+    except FileNotFoundError:
+        return False
+    return st.st_dev != parent.st_dev and loop_backing_file(st.st_dev) == str(image)
+
+
+def _mnt(image: Path) -> Path:
+    return image.with_suffix(".mnt")
 
 
 class SparedQuota(LoopQuota):
@@ -33,9 +73,10 @@ class SparedQuota(LoopQuota):
         targets: Sequence[QuotaTarget],
         owner: tuple[int, int] | None,
     ) -> None:
-        image = self.image(agent, digest)
-        if digest.isalnum() and not image.exists():
-            self._take_spare(agent, image.name)
+        agent_dir = self.agent_dir(agent, digest)
+        if not self.image(agent, digest).exists():
+            with _locked(agent_dir / LOCK):
+                self._take_spare(agent, digest)
         super().ensure(agent, digest, targets, owner)
 
     def _spares(self, agent: str) -> list[str]:
@@ -49,14 +90,30 @@ class SparedQuota(LoopQuota):
         except FileNotFoundError:
             return []
 
-    def _take_spare(self, agent: str, name: str) -> bool:
+    def _take_spare(self, agent: str, digest: str) -> bool:
+        """Give the conversation a spare image, mounted where its own goes (under the lock)."""
+        image, mnt = self.image(agent, digest), self.mount_dir(agent, digest)
+        if image.exists():
+            return False
         d = self.root / agent
-        for spare in self._spares(agent):
-            with contextlib.suppress(FileNotFoundError):
-                # no replace of an image that appeared meanwhile: link, then drop the spare
-                os.link(d / spare, d / name, follow_symlinks=False)
-                os.unlink(d / spare)
-                return True
+        for name in self._spares(agent):
+            spare = d / name
+            premounted = _mounted(spare, _mnt(spare))
+            try:
+                os.rename(spare, image)  # the loop device's backing file follows
+            except FileNotFoundError:
+                continue
+            if premounted:
+                try:
+                    with contextlib.suppress(FileExistsError):
+                        os.mkdir(mnt, 0o700)
+                    mount(str(_mnt(spare)), str(mnt), MS_BIND)  # keeps the spare's flags
+                except (MountError, OSError) as exc:
+                    logger.warning("quota (R2): could not move a spare's mount: %s", exc)
+                detach(str(_mnt(spare)))
+                with contextlib.suppress(OSError):
+                    os.rmdir(_mnt(spare))
+            return True
         return False
 
     def refill(self, agent: str, count: int | None = None) -> int:
@@ -64,10 +121,62 @@ class SparedQuota(LoopQuota):
         count = self.count if count is None else count
         if not re.fullmatch(r"[a-z0-9][a-z0-9-]{0,39}", agent):
             return 0
-        d = self.root / agent
-        d.mkdir(mode=0o700, parents=True, exist_ok=True)
+        d = self.agent_dir(agent, "spares")
+        self._remount_spares(agent)
         made = 0
         for _ in range(count - len(self._spares(agent))):
-            make_image(d / f"spare-{secrets.token_hex(8)}.img", self.limits)
+            self._make_spare(d)
             made += 1
         return made
+
+    def _make_spare(self, d: Path) -> None:
+        """A new image, formatted and mounted under a pending name, then named a spare."""
+        token = secrets.token_hex(8)
+        pending, spare = d / f"pending-{token}.img", d / f"spare-{token}.img"
+        make_image(pending, self.limits)
+        try:
+            self._mount_spare(pending, _mnt(spare))
+            os.rename(pending, spare)
+        except BaseException:
+            detach(str(_mnt(spare)))
+            with contextlib.suppress(OSError):
+                os.rmdir(_mnt(spare))
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(pending)
+            raise
+
+    def _mount_spare(self, image: Path, mnt: Path) -> None:
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(mnt, 0o700)
+        _mount_image(str(image), mnt, self.limits)
+        if not _mounted(image, mnt):
+            raise QuotaError(f"{image} did not show up mounted at {mnt}")
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(mnt / MARKERS, 0o700)
+        _keep_spare_inodes(mnt, mnt / MARKERS / "spare")
+
+    def _remount_spares(self, agent: str) -> None:
+        """Mount spares that are not (after a reboot); drop pending ones a crash left."""
+        d = self.root / agent
+        with _locked(d / LOCK):
+            for name in self._spares(agent):
+                spare = d / name
+                if not _mounted(spare, _mnt(spare)):
+                    try:
+                        self._mount_spare(spare, _mnt(spare))
+                    except QuotaError as exc:
+                        logger.warning("quota (R2): spare %s unusable, removed: %s", name, exc)
+                        os.unlink(spare)
+            now = time.time()
+            for e in os.scandir(d):
+                if not (PENDING.fullmatch(e.name) and e.is_file(follow_symlinks=False)):
+                    continue
+                if now - e.stat(follow_symlinks=False).st_mtime < STALE_PENDING:
+                    continue  # another refill's, still being made
+                spare_mnt = d / e.name.replace("pending-", "spare-", 1).replace(".img", ".mnt")
+                if _mounted(Path(e.path), spare_mnt):
+                    detach(str(spare_mnt))
+                with contextlib.suppress(OSError):
+                    os.rmdir(spare_mnt)
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(e.path)

@@ -13,9 +13,11 @@ sandbox's bind starts at its own slot directory, which does not contain this
 one. At claim, `bind_plan` binds every planned mount (S3) onto its place in
 the slot: the source is opened `O_PATH|O_NOFOLLOW` and checked by device and
 inode against the plan first, then bound from that descriptor (a symlink
-swapped in after the plan is never followed); the bind is made in the private
-`<root>/stage`, set read-only there when the plan says so, and only then moved
-into the slot, so the sandbox never sees a read-only mount as writable.
+swapped in after the plan is never followed) as a detached copy
+(`open_tree`), set read-only when the plan says so, and only then attached
+in the slot (`move_mount`), so the sandbox never sees a read-only mount as
+writable. A kernel without those calls (before 5.12) gets the same through
+a bind in the private `<root>/stage`, remounted there, then moved.
 
 `release` detaches every mount under a slot and removes its empty mountpoints
 (never recursing into anything still mounted: conversation data is never
@@ -25,8 +27,6 @@ works here.
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import errno
 import os
 import secrets
@@ -36,17 +36,20 @@ from pathlib import Path, PurePosixPath
 
 from cellgate.errors import SandboxError
 from sandbox.mountplan import BRIDGE, HOME, WORKSPACE, EntryKind, MountPlan, PlannedMount
-
-MS_RDONLY = 0x1
-MS_NOSUID = 0x2
-MS_NODEV = 0x4
-MS_REMOUNT = 0x20
-MS_BIND = 0x1000
-MS_MOVE = 0x2000
-MS_REC = 0x4000
-MS_PRIVATE = 1 << 18
-MS_SHARED = 1 << 20
-MNT_DETACH = 0x2
+from sandbox.mounts import (
+    MS_BIND,
+    MS_MOVE,
+    MS_NODEV,
+    MS_NOSUID,
+    MS_PRIVATE,
+    MS_RDONLY,
+    MS_REMOUNT,
+    MS_SHARED,
+    MountError,
+    attach_copy,
+    detach,
+    mount,
+)
 
 SLOT_TARGETS: tuple[tuple[str, PurePosixPath], ...] = (
     ("ws", WORKSPACE),
@@ -63,27 +66,11 @@ class LateBindError(SandboxError):
     """A mount could not be bound into a slot; the claim falls back to a cold start."""
 
 
-_libc: ctypes.CDLL | None = None
-
-
-def _lib() -> ctypes.CDLL:
-    global _libc
-    if _libc is None:
-        _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-    return _libc
-
-
 def _mount(source: str | None, target: str, flags: int) -> None:
-    src = source.encode() if source is not None else None
-    if _lib().mount(src, target.encode(), None, ctypes.c_ulong(flags), None) != 0:
-        err = ctypes.get_errno()
-        raise LateBindError(f"mount {source} -> {target}: {os.strerror(err)}")
-
-
-def _umount(target: str) -> int:
-    if _lib().umount2(target.encode(), MNT_DETACH) != 0:
-        return ctypes.get_errno()
-    return 0
+    try:
+        mount(source, target, flags)
+    except MountError as exc:
+        raise LateBindError(str(exc)) from exc
 
 
 def mountpoints() -> list[str]:
@@ -117,6 +104,9 @@ def _self_bind(path: Path, propagation: int) -> None:
     path.mkdir(mode=0o700, parents=True, exist_ok=True)
     if str(path) not in mountpoints():
         _mount(str(path), str(path), MS_BIND)
+        # out of the host's peer group first (a bind inside a shared mount joins it):
+        # what is bound here then propagates to this mount's own slaves, and nowhere else
+        _mount(None, str(path), MS_PRIVATE)
     _mount(None, str(path), propagation)
 
 
@@ -198,6 +188,12 @@ class LateBinder:
             if (kind, st.st_dev, st.st_ino) != (m.kind, m.dev, m.ino):
                 raise LateBindError(f"{m.source} is no longer the planned {m.kind.value}")
             _mountpoint(place, kind, slot.root)
+            flags = MS_RDONLY | MS_NOSUID | MS_NODEV if m.read_only else 0
+            try:
+                if attach_copy(fd, str(place), flags):  # read-only before it is attached
+                    return
+            except MountError as exc:
+                raise LateBindError(str(exc)) from exc
             staged = self.stage / f"{slot.id}-{i}"
             _mountpoint(staged, kind, self.stage)
             try:
@@ -207,7 +203,7 @@ class LateBinder:
                     _mount(None, str(staged), flags)
                 _mount(str(staged), str(place), MS_MOVE)
             except BaseException:
-                _umount(str(staged))
+                detach(str(staged))
                 raise
             finally:
                 _remove_empty(staged)
@@ -222,7 +218,7 @@ class LateBinder:
             if not under:
                 return
             for p in sorted(under, key=len, reverse=True):
-                _umount(p)
+                detach(p)
         raise LateBindError(f"mounts under {slot.root} keep coming back")
 
     def release(self, slot: Slot) -> bool:
@@ -254,7 +250,7 @@ def detach_under(root: Path) -> None:
     """Detach every mount below `root`, deepest first (cleanup of a throwaway state dir)."""
     prefix = str(root) + "/"
     for p in sorted((p for p in mountpoints() if p.startswith(prefix)), key=len, reverse=True):
-        _umount(p)
+        detach(p)
 
 
 def slot_path(slot: Slot, target: PurePosixPath) -> Path:

@@ -46,6 +46,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from cellgate.errors import QuotaError
+from sandbox.mounts import (
+    MS_NODEV,
+    MS_NOEXEC,
+    MS_NOSUID,
+    MountError,
+    bind,
+    flags_of,
+    remount_bind,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +76,10 @@ class QuotaLimits:
 
     def mount_flags(self) -> tuple[str, ...]:
         return ("nosuid", "nodev", "exec" if self.exec_allowed else "noexec")
+
+    def ms_flags(self) -> int:
+        """The same as mount(2) flags (read-write), as `sandbox.mounts.flags_of` reports them."""
+        return MS_NOSUID | MS_NODEV | (0 if self.exec_allowed else MS_NOEXEC)
 
 
 @dataclass(frozen=True, slots=True)
@@ -244,17 +257,8 @@ def _mount_image(image: str, mnt: Path, limits: QuotaLimits) -> None:
         _run(["mount", "-t", "ext4", "-o", f"loop,{opts}", image, str(mnt)], f"mounting {image}")
 
 
-def _flags_ok(entry: MountEntry, limits: QuotaLimits) -> bool:
-    exec_on = "noexec" not in entry.options
-    return (
-        "rw" in entry.options
-        and {"nosuid", "nodev"} <= entry.options
-        and exec_on == limits.exec_allowed
-    )
-
-
-def _remount(path: str, limits: QuotaLimits, *, bind: bool) -> None:
-    opts = ",".join(("remount", *(("bind",) if bind else ()), "rw", *limits.mount_flags()))
+def _remount(path: str, limits: QuotaLimits) -> None:
+    opts = ",".join(("remount", "rw", *limits.mount_flags()))
     _run(["mount", "-o", opts, path], f"setting nosuid,nodev on {path}")
 
 
@@ -496,7 +500,25 @@ class LoopQuota:
         targets: Sequence[QuotaTarget],
         owner: tuple[int, int] | None,
     ) -> None:
-        """Every target is its image subdir, mounted nosuid,nodev[,noexec]; idempotent."""
+        """Every target is its image subdir, mounted nosuid,nodev[,noexec]; idempotent.
+
+        When all is in place it costs a few `lstat`/`statvfs` calls: the mount
+        table is read only to set something up."""
+        agent_dir = self.agent_dir(agent, digest)
+        image, mnt = self.image(agent, digest), self.mount_dir(agent, digest)
+        with _locked(agent_dir / f"{digest}.lock"):
+            if not image.exists():
+                make_image(image, self.limits)
+            dev = self._mount(image, mnt)
+            markers = mnt / MARKERS
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(markers, 0o700)
+            _keep_spare_inodes(mnt, markers / "spare")
+            for t in targets:
+                self._bind(t, mnt, markers, dev, owner)
+
+    def agent_dir(self, agent: str, digest: str) -> Path:
+        """The agent's directory of images (made root-only), after checking both names."""
         if not re.fullmatch(r"[a-z0-9][a-z0-9-]{0,39}", agent) or not digest.isalnum():
             raise QuotaError(f"unusable quota name {agent!r}/{digest!r}")
         agent_dir = self.root / agent
@@ -506,39 +528,27 @@ class LoopQuota:
                 os.mkdir(d, 0o700)
             if not stat.S_ISDIR(os.lstat(d).st_mode):
                 raise QuotaError(f"{d} is not a directory")
-        image, mnt = self.image(agent, digest), self.mount_dir(agent, digest)
-        with _locked(agent_dir / f"{digest}.lock"):
-            if not image.exists():
-                make_image(image, self.limits)
-            entries = mountinfo()
-            dev = self._mount(image, mnt, entries)
-            markers = mnt / MARKERS
-            with contextlib.suppress(FileExistsError):
-                os.mkdir(markers, 0o700)
-            _keep_spare_inodes(mnt, markers / "spare")
-            for t in targets:
-                self._bind(t, mnt, markers, dev, owner, entries)
+        return agent_dir
 
-    def _mount(self, image: Path, mnt: Path, entries: Sequence[MountEntry]) -> int:
+    def _mount(self, image: Path, mnt: Path) -> int:
         """The image's device, mounted at `mnt` with the right flags."""
         with contextlib.suppress(FileExistsError):
             os.mkdir(mnt, 0o700)
-        if not stat.S_ISDIR(os.lstat(mnt).st_mode):
+        st = os.lstat(mnt)
+        if not stat.S_ISDIR(st.st_mode):
             raise QuotaError(f"{mnt} is not a directory")
-        top = _top(entries, str(mnt))
-        if top is not None and loop_backing_file(top.dev) != str(image):
-            raise QuotaError(
-                f"{mnt} holds another mount ({top.fstype}); unmount it (`umount {mnt}`)"
-            )
-        if top is None:
+        if st.st_dev != os.lstat(mnt.parent).st_dev:  # something is mounted there
+            if loop_backing_file(st.st_dev) != str(image):
+                raise QuotaError(f"{mnt} holds another mount; unmount it (`umount {mnt}`)")
+        else:
             _mount_image(str(image), mnt, self.limits)
-            top = _top(mountinfo(), str(mnt))
-            if top is None or loop_backing_file(top.dev) != str(image):
+            st = os.lstat(mnt)
+            if loop_backing_file(st.st_dev) != str(image):
                 raise QuotaError(f"{image} did not show up mounted at {mnt}")
             logger.info("quota (R2): mounted %s at %s", image, mnt)
-        if not _flags_ok(top, self.limits):
-            _remount(str(mnt), self.limits, bind=False)
-        return top.dev
+        if flags_of(str(mnt)) != self.limits.ms_flags():
+            _remount(str(mnt), self.limits)
+        return st.st_dev
 
     def _bind(
         self,
@@ -547,7 +557,6 @@ class LoopQuota:
         markers: Path,
         dev: int,
         owner: tuple[int, int] | None,
-        entries: Sequence[MountEntry],
     ) -> None:
         sub = mnt / t.name
         _mkdirs_nofollow(mnt, sub)
@@ -557,13 +566,13 @@ class LoopQuota:
         host = os.path.realpath(t.path)
         have, want = os.lstat(host), os.lstat(sub)
         if (have.st_dev, have.st_ino) == (want.st_dev, want.st_ino):
-            top = _top(entries, host) or _top(mountinfo(), host)
-            if top is None or top.dev != dev:
-                raise QuotaError(f"{host} is the image's {t.name} but no mount of it is listed")
-            if not _flags_ok(top, self.limits):
-                _remount(host, self.limits, bind=True)
+            # the image's own inode on another device's path: only a bind of it shows that
+            if have.st_dev != dev:
+                raise QuotaError(f"{host} is the image's {t.name} but not on its device")
+            if flags_of(host) != self.limits.ms_flags():
+                remount_bind(host, self.limits.ms_flags())
             return
-        top = _top(entries, host)
+        top = _top(mountinfo(), host)
         if top is not None:
             raise QuotaError(
                 f"{host} is already a mount point ({top.fstype} {top.root}), not this "
@@ -573,8 +582,15 @@ class LoopQuota:
         if not marker.exists():
             _migrate(QuotaTarget(t.name, t.base, Path(host)), sub, self.limits)
             marker.touch(0o600)
-        _run(["mount", "--bind", str(sub), host], f"binding the quota image onto {host}")
-        _remount(host, self.limits, bind=True)
+        fd = os.open(sub, os.O_PATH | os.O_NOFOLLOW | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            if os.fstat(fd).st_ino != want.st_ino:
+                raise QuotaError(f"the image's {t.name} changed while it was being bound")
+            bind(f"/proc/self/fd/{fd}", host, self.limits.ms_flags())
+        except MountError as exc:
+            raise QuotaError(f"binding the quota image onto {host}: {exc}") from exc
+        finally:
+            os.close(fd)
         have = os.lstat(host)
         if (have.st_dev, have.st_ino) != (want.st_dev, want.st_ino):
             raise QuotaError(f"{host} is not the quota image's {t.name} after binding it")

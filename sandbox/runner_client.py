@@ -20,6 +20,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import marshal
 import os
 import secrets
 import socket
@@ -152,7 +153,7 @@ class RunnerSocket:
                 "marker": marker,
                 "stdin_len": None if stdin is None else len(stdin),
             }
-            data = json.dumps(head).encode()
+            data = marshal.dumps(head)  # the runner reads it with built-ins only
             try:
                 async with asyncio.timeout(SEND_TIMEOUT):
                     writer.write(HEADER.pack(len(data)) + data + (stdin or b""))

@@ -6,9 +6,12 @@ only, so any image with Python 3.8+ can call the bridge without installing anyth
 
 from __future__ import annotations
 
+import functools
+import stat
 from importlib import resources
 from pathlib import Path
 
+from cellgate.errors import UnsafePath
 from orchestrator.safefs import SafeDir
 
 __all__ = ["CLIENT_FILES", "install_client"]
@@ -24,9 +27,26 @@ def install_client(bridge_dir: Path) -> list[Path]:
     replaced, never written through; a symlinked `bridge_dir` raises `UnsafePath`.
     """
     out: list[Path] = []
-    package = resources.files("sandbox.client")
     with SafeDir.open(bridge_dir) as d:
-        for name, source in CLIENT_FILES.items():
-            d.write_atomic(name, package.joinpath(source).read_bytes(), mode=0o755)
+        for name, data in _client_files().items():
+            if not _installed(d, name, data):  # every turn: most find them in place
+                d.write_atomic(name, data, mode=0o755, durable=False)
             out.append(bridge_dir / name)
     return out
+
+
+@functools.cache
+def _client_files() -> dict[str, bytes]:
+    package = resources.files("sandbox.client")
+    return {name: package.joinpath(source).read_bytes() for name, source in CLIENT_FILES.items()}
+
+
+def _installed(d: SafeDir, name: str, data: bytes) -> bool:
+    """Is `name` already exactly `data`, a plain 0755 file (read without following)?"""
+    try:
+        st = d.lstat(name)
+        if st is None or st.st_size != len(data) or stat.S_IMODE(st.st_mode) != 0o755:
+            return False
+        return d.read(name, cap=len(data) + 1) == data
+    except (OSError, UnsafePath):
+        return False

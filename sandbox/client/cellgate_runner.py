@@ -1,43 +1,55 @@
 #!/usr/bin/env python3
 """cellgate-runner: runs the gateway's commands inside this sandbox (F2).
 
-Started once per sandbox (a detached exec, as the sandbox's user, with its
-environment and working directory), it connects to the gateway's socket in
-the bridge directory and runs one request at a time, exactly as an exec
-would: `timeout -k 2 <s>` around the command in a session of its own, the
-request's environment (with the exec marker) over the sandbox's, its working
-directory, stdin written then closed, stdout and stderr kept up to the
-request's cap (the rest read and dropped), and on the deadline its process
-group and every process carrying the marker killed.
+Started once per sandbox (a detached exec, or by a pooled sandbox's first
+process when it is claimed), as the sandbox's user, with its environment and
+working directory, it connects to the gateway's socket in the bridge
+directory and runs one request at a time, exactly as an exec would:
+`timeout -k 2 <s>` around the command in a session of its own, the request's
+environment (with the exec marker) over the sandbox's, its working directory,
+stdin written then closed, stdout and stderr kept up to the request's cap
+(the rest read and dropped), and on the deadline its process group and every
+process carrying the marker killed.
 
-Frames both ways: a 4-byte big-endian length, a JSON header, then raw bytes
-(the request's stdin; the reply's stdout then stderr). Standard library only.
+Frames both ways: a 4-byte big-endian length, a header, then raw bytes (the
+request's stdin; the reply's stdout then stderr). The request's header is a
+`marshal`led dict (it comes from the gateway); the reply's is JSON (the
+gateway parses what a sandbox sends with its bounded JSON reader). Only
+built-in modules are imported (`_socket`, `_signal`, `marshal`, `select`,
+`os`, `time`): the runner of a pooled sandbox starts at its claim, and its
+start-up is on the first turn's path.
 """
 
 from __future__ import annotations
 
-import contextlib
-import json
-import math
+import _signal  # type: ignore[import-not-found]  # no enum: start-up time
+import _socket
+import marshal
 import os
-import selectors
-import signal
-import socket
-import struct
-import subprocess
+import select
 import sys
 import time
 
+TYPE_CHECKING = False  # no `typing` at run time: 20 ms of start-up
+if TYPE_CHECKING:
+    from typing import Any
+
 SOCKET = "/run/cellgate/runner.sock"
-HEADER = struct.Struct(">I")
+HEADER_SIZE = 4
 MAX_HEADER = 1024 * 1024
 MAX_STDIN = 64 * 1024 * 1024
 KILL_AFTER = 2
 GRACE = 1.0
 AFTER_EXIT = 0.05
+CONNECT_WAIT = 5.0
+CONNECT_POLL = 0.002
+SIGKILL = 9
+SIGPIPE = 13
+SIGXFSZ = 25
+CHUNK = 65536
 
 
-def read_exact(sock: socket.socket, n: int) -> bytes | None:
+def read_exact(sock: _socket.socket, n: int) -> bytes | None:
     buf = bytearray()
     while len(buf) < n:
         chunk = sock.recv(min(n - len(buf), 1 << 20))
@@ -53,119 +65,226 @@ def kill_marked(marker: str) -> None:
         if not name.isdigit() or int(name) == os.getpid():
             continue
         try:
-            with open(f"/proc/{name}/environ", "rb") as f:
+            with open("/proc/" + name + "/environ", "rb") as f:
                 if needle in f.read(1 << 20).split(b"\0"):
-                    os.kill(int(name), signal.SIGKILL)
+                    os.kill(int(name), SIGKILL)
         except OSError:
             continue
 
 
-def run(req: dict[str, object], stdin: bytes | None) -> tuple[dict[str, object], bytes, bytes]:
-    timeout = float(str(req["timeout"]))
-    cap = int(str(req["cap"]))
+def spawn(
+    argv: list[str], env: dict[str, str], workdir: str | None, stdin: bytes | None
+) -> tuple[int, int, int, int]:
+    """Start `argv` in a new session (posix_spawn: no copy of this process); returns
+    (pid, out fd, err fd, in fd or -1). Raises OSError when nothing could start (no
+    process to spare, no such directory or program)."""
+    program = next(
+        (
+            os.path.join(d, argv[0])
+            for d in os.get_exec_path(env)
+            if os.access(os.path.join(d, argv[0]), os.X_OK)
+        ),
+        argv[0],
+    )
+    here = os.open(".", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    r_out, w_out = os.pipe()
+    r_err, w_err = os.pipe()
+    if stdin is not None:
+        r_in, w_in = os.pipe()
+    else:
+        r_in, w_in = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC), -1
+    try:
+        if workdir:
+            os.chdir(workdir)  # the child starts where this process is
+        pid = os.posix_spawn(
+            program,
+            argv,
+            env,
+            file_actions=[
+                (os.POSIX_SPAWN_DUP2, r_in, 0),
+                (os.POSIX_SPAWN_DUP2, w_out, 1),
+                (os.POSIX_SPAWN_DUP2, w_err, 2),
+            ],
+            setsid=True,
+            setsigdef=(SIGPIPE, SIGXFSZ),  # Python ignores them; a command expects neither
+        )
+    except OSError:
+        for fd in (r_out, r_err, w_in):
+            if fd >= 0:
+                os.close(fd)
+        raise
+    finally:
+        os.fchdir(here)
+        os.close(here)
+        for fd in (w_out, w_err, r_in):
+            os.close(fd)
+    return pid, r_out, r_err, w_in
+
+
+def wait_exit(pid: int, block_for: float, pidfd: int = -1) -> int | None:
+    """The child's exit code (128+N for signal N), or None while it runs after
+    `block_for` seconds (woken by its pidfd where the kernel has them)."""
+    end = time.monotonic() + block_for
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            if os.WIFSIGNALED(status):
+                return 128 + os.WTERMSIG(status)
+            return os.WEXITSTATUS(status)
+        left = end - time.monotonic()
+        if left <= 0:
+            return None
+        if pidfd >= 0:
+            p = select.poll()
+            p.register(pidfd, select.POLLIN)
+            p.poll(int(left * 1000) + 1)
+        else:
+            time.sleep(0.001)
+
+
+def open_pidfd(pid: int) -> int:
+    """A descriptor that polls readable when `pid` exits, or -1 (Python < 3.9, Linux < 5.3)."""
+    try:
+        return int(os.pidfd_open(pid))
+    except (AttributeError, OSError):
+        return -1
+
+
+def run(req: dict[str, Any], stdin: bytes | None) -> tuple[dict[str, Any], bytes, bytes]:
+    timeout = float(req["timeout"])
+    cap = int(req["cap"])
     marker = str(req["marker"])
     args = req["argv"]
     extra = req["env"]
     if not isinstance(args, list) or not isinstance(extra, dict):
         return {"code": 126, "timed_out": False}, b"", b"cellgate-runner: bad request\n"
-    argv = ["timeout", "-k", str(KILL_AFTER), str(max(1, math.ceil(timeout)))]
+    argv = ["timeout", "-k", str(KILL_AFTER), str(max(1, -int(-timeout // 1)))]
     argv += [str(a) for a in args]
     env = dict(os.environ)
     env.update({str(k): str(v) for k, v in extra.items()})
     name, _, value = marker.partition("=")
     env[name] = value
+    workdir = str(req["workdir"]) if req.get("workdir") else None
     try:
-        proc = subprocess.Popen(
-            argv,
-            stdin=subprocess.PIPE if stdin is not None else subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            cwd=str(req["workdir"]) if req.get("workdir") else None,
-            env=env,
-            start_new_session=True,
-        )
+        pid, r_out, r_err, w_in = spawn(argv, env, workdir, stdin)
     except OSError as exc:  # nothing ran (no process to spare, no such dir): exec decides
         return {"spawn_failed": True, "code": 126}, b"", f"cellgate-runner: {exc}\n".encode()
     out, err = bytearray(), bytearray()
-    sel = selectors.DefaultSelector()
-    assert proc.stdout is not None and proc.stderr is not None
-    sel.register(proc.stdout, selectors.EVENT_READ, out)
-    sel.register(proc.stderr, selectors.EVENT_READ, err)
+    bufs = {r_out: out, r_err: err}
+    poll = select.poll()
+    poll.register(r_out, select.POLLIN)
+    poll.register(r_err, select.POLLIN)
     pending = memoryview(stdin or b"")
-    if proc.stdin is not None:
-        os.set_blocking(proc.stdin.fileno(), False)
+    if w_in >= 0:
+        os.set_blocking(w_in, False)
         if pending:
-            sel.register(proc.stdin, selectors.EVENT_WRITE, None)
+            poll.register(w_in, select.POLLOUT)
         else:
-            proc.stdin.close()
-    deadline = time.monotonic() + timeout + KILL_AFTER + GRACE
-    exited_at: float | None = None
+            os.close(w_in)
+            w_in = -1
+    pidfd = open_pidfd(pid)
+    if pidfd >= 0:
+        poll.register(pidfd, select.POLLIN)  # wakes the loop the moment it exits
+    started = time.monotonic()
+    deadline = started + timeout + KILL_AFTER + GRACE
+    open_fds = {r_out, r_err} | ({w_in} if w_in >= 0 else set())
+    exited_at = None
+    code = None
     deadline_hit = False
-    while sel.get_map():
+    while open_fds:
         now = time.monotonic()
         if now >= deadline:
             deadline_hit = True
             break
-        if exited_at is None and proc.poll() is not None:
-            exited_at = now
+        if code is None:
+            code = wait_exit(pid, 0)
+            if code is not None:
+                exited_at = now
         if exited_at is not None and now - exited_at > AFTER_EXIT:
             break  # a background child holds the pipes: the command itself is done
-        for key, _ in sel.select(min(deadline - now, 0.05)):
-            if key.data is None:
+        for fd, _ in poll.poll(int(min(deadline - now, 0.05) * 1000) + 1):
+            if fd == pidfd:
+                poll.unregister(fd)  # it exited: the next round reaps it
+                continue
+            if fd == w_in:
                 try:
-                    sent = os.write(key.fd, pending[:65536])
+                    sent = os.write(fd, pending[:CHUNK])
                 except BlockingIOError:
                     continue
                 except OSError:
                     sent = len(pending)
                 pending = pending[sent:]
                 if not pending:
-                    sel.unregister(key.fileobj)
-                    proc.stdin.close()  # type: ignore[union-attr]
+                    poll.unregister(fd)
+                    open_fds.discard(fd)
+                    os.close(fd)
+                    w_in = -1
                 continue
-            chunk = os.read(key.fd, 65536)
+            chunk = os.read(fd, CHUNK)
             if not chunk:
-                sel.unregister(key.fileobj)
+                poll.unregister(fd)
+                open_fds.discard(fd)
                 continue
-            buf: bytearray = key.data
+            buf = bufs[fd]
             room = cap - len(buf)
             if room > 0:
                 buf += chunk[:room]
     if deadline_hit:
-        with contextlib.suppress(OSError):
-            os.killpg(proc.pid, signal.SIGKILL)
+        try:  # noqa: SIM105 - no contextlib: every import is start-up time
+            os.killpg(pid, SIGKILL)
+        except OSError:
+            pass
         kill_marked(marker)
-    try:
-        code = proc.wait(timeout=GRACE)
-    except subprocess.TimeoutExpired:
+    if code is None:
+        code = wait_exit(pid, GRACE, pidfd)
+    if code is None:
         code = -1
-    if code < 0:
-        code = 128 - code
-    spent = time.monotonic() - (deadline - timeout - KILL_AFTER - GRACE)
+    if pidfd >= 0:
+        os.close(pidfd)
+    spent = time.monotonic() - started
     timed_out = deadline_hit or (spent >= timeout and code in (124, 137))
     if timed_out and not deadline_hit:
         kill_marked(marker)
-    for f in (proc.stdout, proc.stderr, proc.stdin):
-        if f is not None and not f.closed:
-            f.close()
+    for fd in (r_out, r_err, w_in):
+        if fd >= 0:
+            try:  # noqa: SIM105 - as above
+                os.close(fd)
+            except OSError:
+                pass
     if code == 125 and not out and bytes(err).startswith(b"timeout: "):
         # `timeout` itself failed (no process to spare): nothing ran, exec decides
         return {"spawn_failed": True, "code": 125}, b"", bytes(err)
     return {"code": -1 if deadline_hit else code, "timed_out": timed_out}, bytes(out), bytes(err)
 
 
-def serve(sock: socket.socket) -> None:
+def reply_header(head: dict[str, Any]) -> bytes:
+    """The reply's JSON: its values are ints, booleans and the request's hex id."""
+    parts = []
+    for key, value in head.items():
+        if isinstance(value, bool):
+            text = "true" if value else "false"
+        elif isinstance(value, int):
+            text = str(value)
+        else:
+            text = '"' + "".join(c for c in str(value) if c.isalnum()) + '"'
+        parts.append(f'"{key}": {text}')
+    return ("{" + ", ".join(parts) + "}").encode()
+
+
+def serve(sock: _socket.socket) -> None:
     while True:
-        raw = read_exact(sock, HEADER.size)
+        raw = read_exact(sock, HEADER_SIZE)
         if raw is None:
             return
-        (size,) = HEADER.unpack(raw)
+        size = int.from_bytes(raw, "big")
         if size > MAX_HEADER:
             return
         body = read_exact(sock, size)
         if body is None:
             return
-        req = json.loads(body)
+        req = marshal.loads(body)  # noqa: S302 - from the gateway, never from a sandbox
+        if not isinstance(req, dict):
+            return
         stdin_len = req.get("stdin_len")
         stdin = None
         if stdin_len is not None:
@@ -176,20 +295,27 @@ def serve(sock: socket.socket) -> None:
                 return
         head, out, err = run(req, stdin)
         head.update(out_len=len(out), err_len=len(err), id=req.get("id"))
-        data = json.dumps(head).encode()
-        sock.sendall(HEADER.pack(len(data)) + data + bytes(out) + bytes(err))
+        data = reply_header(head)
+        sock.sendall(len(data).to_bytes(HEADER_SIZE, "big") + data + bytes(out) + bytes(err))
 
 
 def main() -> int:
-    signal.signal(signal.SIGPIPE, signal.SIG_DFL)
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        sock.connect(sys.argv[1] if len(sys.argv) > 1 else SOCKET)
-    except OSError:
-        return 1
+    _signal.signal(SIGPIPE, _signal.SIG_DFL)
+    sock = _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM)
+    deadline = time.monotonic() + CONNECT_WAIT
+    while True:  # a pooled sandbox's runner starts while its claim is still being checked
+        try:
+            sock.connect(sys.argv[1] if len(sys.argv) > 1 else SOCKET)
+            break
+        except (FileNotFoundError, ConnectionRefusedError):
+            if time.monotonic() > deadline:
+                return 1
+            time.sleep(CONNECT_POLL)
+        except OSError:
+            return 1
     try:
         serve(sock)
-    except (OSError, ValueError):
+    except (OSError, ValueError, EOFError, TypeError, KeyError):
         return 1
     return 0
 

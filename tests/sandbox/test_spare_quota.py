@@ -1,0 +1,107 @@
+"""F1, R2: quota images made and mounted ahead, on this host's real kernel (no engine).
+
+A new conversation takes a spare that is already formatted and mounted; what
+it gets must be exactly what `LoopQuota` would have made: its own image, its
+limits, nosuid/nodev/noexec, nothing shared with another conversation, and
+the spare's mount gone. Every image and mount is under the test's tmp dir.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from orchestrator.spare_quota import STALE_PENDING, SparedQuota
+from sandbox.quota import LoopQuota, QuotaLimits, loop_backing_file, mountinfo, release_all
+from tests.sandbox.test_quota import DISK_MB, INODES, MB, OWNER, conv, fill
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="loop mounts need root")
+
+AGENT = "agent-q"
+
+
+@pytest.fixture
+def spared(tmp_path: Path) -> Iterator[SparedQuota]:
+    try:
+        base = LoopQuota(tmp_path / "state" / "quota", QuotaLimits(DISK_MB * MB, INODES))
+        yield SparedQuota(base, 2)
+    finally:
+        release_all(tmp_path)
+
+
+def spare_mounts(q: SparedQuota) -> list[str]:
+    prefix = str(q.root / AGENT / "spare-")
+    return [e.mount_point for e in mountinfo() if e.mount_point.startswith(prefix)]
+
+
+def test_F1_R2_refill_makes_mounted_spares_and_a_new_conversation_takes_one(
+    spared: SparedQuota, tmp_path: Path
+) -> None:
+    assert spared.refill(AGENT) == 2
+    assert spared.refill(AGENT) == 0  # idempotent
+    assert len(spare_mounts(spared)) == 2
+    c = conv(spared, tmp_path, "a")
+    c.ensure()
+    image = spared.image(AGENT, c.digest)
+    mnt = spared.mount_dir(AGENT, c.digest)
+    dev = os.stat(mnt).st_dev
+    assert loop_backing_file(dev) == str(image)  # the loop device followed the rename
+    assert len(spare_mounts(spared)) == 1  # the taken spare's own mount is gone
+    for t in c.targets:
+        assert os.lstat(t.path).st_dev == dev
+        assert os.lstat(t.path).st_uid == OWNER[0]
+        top = [e for e in mountinfo() if e.mount_point == str(t.path)][-1]
+        assert {"rw", "nosuid", "nodev", "noexec"} <= top.options, top
+    assert fill(c.chat / "big") <= DISK_MB * MB  # its own limit
+
+
+def test_F1_R2_concurrent_new_conversations_never_share_a_spare(
+    spared: SparedQuota, tmp_path: Path
+) -> None:
+    spared.refill(AGENT, 4)
+    convs = [conv(spared, tmp_path, f"c{i}") for i in range(6)]  # more than the spares
+    with concurrent.futures.ThreadPoolExecutor(6) as ex:
+        list(ex.map(lambda c: c.ensure(), convs))
+    devs = {os.stat(spared.mount_dir(AGENT, c.digest)).st_dev for c in convs}
+    assert len(devs) == len(convs)
+    for c in convs:
+        (c.chat / "mine").write_text(c.digest)
+    for c in convs:
+        assert sorted(os.listdir(c.chat)) == ["mine"]
+        assert (c.chat / "mine").read_text() == c.digest
+    assert spare_mounts(spared) == []
+
+
+def test_F1_R2_an_unmounted_spare_is_mounted_again_or_taken_as_it_is(
+    spared: SparedQuota, tmp_path: Path
+) -> None:
+    spared.refill(AGENT, 1)
+    [mp] = spare_mounts(spared)
+    os.system(f"umount {mp}")  # noqa: S605 - a reboot, in short
+    assert spare_mounts(spared) == []
+    spared.refill(AGENT, 1)
+    assert len(spare_mounts(spared)) == 1
+    os.system(f"umount {spare_mounts(spared)[0]}")  # noqa: S605
+    c = conv(spared, tmp_path, "x")
+    c.ensure()  # an unmounted spare is still a good image: LoopQuota mounts it
+    assert loop_backing_file(os.stat(c.chat).st_dev) == str(spared.image(AGENT, c.digest))
+
+
+def test_F1_R2_a_pending_spare_left_by_a_crash_is_removed(
+    spared: SparedQuota, tmp_path: Path
+) -> None:
+    d = spared.agent_dir(AGENT, "x")
+    left = d / "pending-0123456789abcdef.img"
+    left.write_bytes(b"")
+    old = time.time() - STALE_PENDING - 5
+    os.utime(left, (old, old))
+    fresh = d / "pending-fedcba9876543210.img"
+    fresh.write_bytes(b"")
+    spared.refill(AGENT, 1)
+    assert not left.exists()
+    assert fresh.exists()  # another refill's, still being made
