@@ -50,6 +50,7 @@ from orchestrator.config import load_config, write_config_document
 from orchestrator.gateway import Gateway, TurnOutcome
 from orchestrator.pool import WarmPool
 from orchestrator.sandboxes import ConversationSandboxes, SandboxPool
+from orchestrator.spare_quota import SparedQuota
 from sandbox.latebind import LateBinder, detach_under
 
 APP = "cgpool"
@@ -103,7 +104,13 @@ class Bench:
     def wait_pool(self, n: int, timeout: float = 600) -> None:
         deadline = time.monotonic() + timeout
         self.service.call(_wake(self.pool))
-        while len(self.pool.ready) < n:
+        quota = self.sandboxes.quota
+        agent = self.sandboxes.app.agent
+
+        def spares() -> int:  # the quota images made ahead are part of a filled pool
+            return quota.spares(agent) if isinstance(quota, SparedQuota) else n
+
+        while len(self.pool.ready) < n or spares() < n:
             if time.monotonic() > deadline:
                 raise SystemExit(f"the pool did not reach {n} ready (has {len(self.pool.ready)})")
             time.sleep(0.05)

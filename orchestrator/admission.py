@@ -135,8 +135,16 @@ LiveSandboxes = Callable[[], Awaitable[list[LiveSandbox]]]
 Evict = Callable[[str], Awaitable[bool]]
 
 
+COUNT_FRESH = 1.0  # seconds a count of the live sandboxes stands for the next newcomers
+
+
 class SandboxGate:
-    """At most `max_sandboxes` live; idle ones make room, busy ones never."""
+    """At most `max_sandboxes` live; idle ones make room, busy ones never.
+
+    One count of the live sandboxes serves the newcomers of the next second:
+    each takes one of the rooms it left (a sandbox removed meanwhile only
+    leaves more room), so a burst of new conversations is not counted once
+    per newcomer under the lock (F3)."""
 
     def __init__(
         self, max_sandboxes: int, live: LiveSandboxes, evict: Evict, refusals: RefusalStore
@@ -147,6 +155,10 @@ class SandboxGate:
         self._refusals = refusals
         self._lock = asyncio.Lock()
         self._starting: set[ConversationId] = set()
+        # the last count: who has a sandbox, how much room was left, until when it holds
+        self._counted: set[ConversationId] = set()
+        self._free = 0
+        self._count_until = float("-inf")
 
     async def make_room(self, conversation: ConversationId) -> None:
         """Before the conversation's sandbox starts: evict an idle one, or raise `SandboxesBusy`.
@@ -155,14 +167,25 @@ class SandboxGate:
         `settled` says its sandbox is recorded or did not start.
         """
         async with self._lock:
+            now = asyncio.get_running_loop().time()
+            if now < self._count_until:  # F3: a burst is not counted once per newcomer
+                if conversation in self._counted:
+                    return  # its own sandbox already counts
+                if self._free > 0:
+                    self._free -= 1
+                    self._starting.add(conversation)
+                    return
             for _ in range(3):
                 live = await self._live()
-                if any(sb.conversation == conversation for sb in live):
+                self._counted = {sb.conversation for sb in live}
+                starting = self._starting - self._counted
+                if conversation in self._counted:
+                    self._free = self.max_sandboxes - len(live) - len(starting)
+                    self._count_until = now + COUNT_FRESH
                     return  # its own sandbox already counts
                 idle = [
                     sb.name for sb in sorted(live, key=lambda sb: sb.last_used_at) if not sb.busy
                 ]
-                starting = self._starting - {sb.conversation for sb in live}
                 room = sandbox_room(len(live) + len(starting), self.max_sandboxes, idle)
                 if not room.decision:
                     await asyncio.to_thread(
@@ -175,6 +198,8 @@ class SandboxGate:
                     raise SandboxesBusy(room.decision.reason)
                 if room.evict is None:
                     self._starting.add(conversation)
+                    self._free = self.max_sandboxes - len(live) - len(starting) - 1
+                    self._count_until = now + COUNT_FRESH
                     return
                 logger.info("evicting idle sandbox %s to make room (R4)", room.evict)
                 await self._evict(room.evict)

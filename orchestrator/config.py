@@ -84,7 +84,7 @@ class PoolSettings(_Model):
     pooled sandboxes of one app, ready or starting. Both live inside
     `limits.maxSandboxes` (R4)."""
 
-    size: int = Field(0, ge=0, le=1024)  # off unless the operator sizes it (README: Speed)
+    size: int = Field(2, ge=0, le=1024)  # small by default; 0 turns it off (README: Speed)
     max: int = Field(8, ge=0, le=1024)
 
     @model_validator(mode="after")
@@ -115,7 +115,7 @@ class GatewaySettings(_Model):
     admission: Admission = Admission()
     pool: PoolSettings = PoolSettings()
     # F2: turns run through a small process resident in the sandbox (exec when it is not there)
-    resident_runner: StrictBool = Field(False, alias="residentRunner")  # F2, opt-in
+    resident_runner: StrictBool = Field(True, alias="residentRunner")  # F2; false: exec per turn
     turn_timeout_seconds: float = Field(120, alias="turnTimeoutSeconds", gt=0)
     max_concurrent_turns: int = Field(8, alias="maxConcurrentTurns", ge=1, le=1024)
     base_image: str | None = Field(None, alias="baseImage")

@@ -49,6 +49,8 @@ logger = logging.getLogger(__name__)
 COLD_MEMORY = 10_000
 REFILL_INTERVAL = 30.0
 REFILL_BATCH = 2
+REFILL_QUIET = 0.3  # seconds without a claim before the pool refills
+REFILL_DEFER = 3.0  # but never put off longer than this
 
 Room = Callable[[], Awaitable[int]]
 
@@ -133,6 +135,7 @@ class WarmPool:
         self._creating: set[str] = set()
         self._claiming: set[str] = set()
         self._said: set[str] = set()
+        self._last_claim = float("-inf")
         self.refusal = late_bind_refusal(sandboxes.settings.runtime)
         if settings.size == 0:
             self.refusal = "the pool is off (pool.size is 0)"
@@ -162,6 +165,7 @@ class WarmPool:
             return None
         while self.ready:
             pooled = self.ready.popleft()
+            self._last_claim = asyncio.get_running_loop().time()
             self.wake.set()
             handle = await self._bind(pooled, spec)
             if handle is not None:
@@ -342,6 +346,7 @@ class WarmPool:
         try:
             while self.current():  # a restarted agent's old pool drains and stops
                 self.wake.clear()
+                await self._quiet()
                 try:
                     await self.sweep()
                     if await self.fill():
@@ -353,6 +358,17 @@ class WarmPool:
                         await self.wake.wait()
         finally:
             await asyncio.shield(self.drain())
+
+    async def _quiet(self) -> None:
+        """While claims come in, their turns go first (F3): refilling starts sandboxes and
+        formats images on the same cores. At most `REFILL_DEFER` seconds of waiting."""
+        loop = asyncio.get_running_loop()
+        until = loop.time() + REFILL_DEFER
+        while loop.time() < until:
+            calm = self._last_claim + REFILL_QUIET - loop.time()
+            if calm <= 0 and not self._claiming:
+                return
+            await asyncio.sleep(max(calm, 0.05))
 
     def _say_once(self, what: str, message: str, arg: str) -> None:
         if what not in self._said:

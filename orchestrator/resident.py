@@ -35,10 +35,11 @@ from sandbox.backends.base import (
     SandboxBackend,
     SandboxHandle,
     SandboxInfo,
+    SandboxNotFound,
 )
 from sandbox.backends.docker import EXEC_MARKER_ENV, DockerBackend
 from sandbox.backends.docker_pool import RUNNER_ARGV, DockerPoolOps
-from sandbox.runner_client import RUNNER_NAME, RunnerSocket
+from sandbox.runner_client import RUNNER_LOST, RUNNER_NAME, RunnerSocket
 from sandbox.spec import SandboxSpec
 from sandbox.verify import ObservedContainer
 
@@ -46,7 +47,7 @@ logger = logging.getLogger(__name__)
 
 MAX_RUNNERS = 4096
 MAX_LAUNCHES = 3
-TRIGGERED_WAIT = 0.5
+TRIGGERED_WAIT = 3.0  # a burst of claims starts many runners at once on few cores
 RUNNER_RUNTIMES = (None, "runc")
 
 
@@ -155,6 +156,8 @@ class ResidentBackend(SandboxBackend):
         if rs is not None and rs.ready:
             marker = secrets.token_hex(12)
             result = await rs.run(argv, env, stdin, timeout, workdir, f"{EXEC_MARKER_ENV}={marker}")
+            if result is RUNNER_LOST:
+                await self._after_lost(handle)
             if result is not None:
                 if result.timed_out:
                     user = self._users.get(handle.container_id, "")
@@ -163,6 +166,13 @@ class ResidentBackend(SandboxBackend):
         return await self.inner.exec(
             handle, argv, env=env, stdin=stdin, timeout=timeout, workdir=workdir
         )
+
+    async def _after_lost(self, handle: SandboxHandle) -> None:
+        """A runner lost mid-command: if the engine is gone too (its containers with it),
+        raise `EngineUnavailable` as an exec cut off by it would (R7: the turn waits for
+        the engine and runs again); if the engine answers, the sandbox only hurt itself."""
+        with contextlib.suppress(SandboxNotFound):
+            await self.inner.inspect(handle.name)
 
     async def _ensure(self, spec: SandboxSpec) -> SandboxHandle:
         return await self.inner.ensure(spec)

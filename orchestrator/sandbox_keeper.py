@@ -155,9 +155,24 @@ class SandboxKeeper:
     async def live(self) -> list[LiveSandbox]:
         """This gateway's sandboxes as the store knows them, with whether a turn is in one."""
         out: list[LiveSandbox] = []
-        for sb in await asyncio.to_thread(self.store.sandboxes):
-            busy = self._turn_in(sb, await self._sessions_in(sb))
+        for sb, sessions in await asyncio.to_thread(self._with_sessions):
+            busy = self._turn_in(sb, sessions)
             out.append(LiveSandbox(sb.name, sb.conversation_id, sb.last_used_at, busy))
+        return out
+
+    def _with_sessions(self) -> list[tuple[Sandbox, list[Session]]]:
+        """Every sandbox with its live sessions, read in one go (one thread hop for all:
+        the sandbox cap asks this before every new conversation's first turn, F3)."""
+        sandboxes = self.store.sandboxes()
+        by_conv: dict[ConversationId, list[Session]] = {}
+        for s in self.store.live_sessions():
+            by_conv.setdefault(s.conversation_id, []).append(s)
+        out: list[tuple[Sandbox, list[Session]]] = []
+        for sb in sandboxes:
+            if sb.name == shared_sandbox_name(sb.app):
+                out.append((sb, self.store.live_sessions(sb.agent)))
+            else:
+                out.append((sb, by_conv.get(sb.conversation_id, [])))
         return out
 
     async def evict(self, name: str) -> bool:

@@ -79,6 +79,10 @@ class SparedQuota(LoopQuota):
                 self._take_spare(agent, digest)
         super().ensure(agent, digest, targets, owner)
 
+    def spares(self, agent: str) -> int:
+        """How many spares are ready for `agent`."""
+        return len(self._spares(agent))
+
     def _spares(self, agent: str) -> list[str]:
         try:
             with os.scandir(self.root / agent) as it:

@@ -41,6 +41,9 @@ KILL_AFTER = 2
 HOST_GRACE = 3.0
 SEND_TIMEOUT = 5.0
 SPAWN_FAILED = ExecResult(126, b"", b"")
+# The connection broke after the request was sent: the command may have run in part.
+# The caller asks the engine what became of the sandbox (R7: an engine gone requeues).
+RUNNER_LOST = ExecResult(-1, b"", b"cellgate: the sandbox's runner was lost\n")
 
 
 class RunnerSocket:
@@ -170,7 +173,7 @@ class RunnerSocket:
             except (OSError, ValueError, asyncio.IncompleteReadError) as exc:
                 logger.info("runner in %s lost: %s", self.container_id[:12], exc)
                 self.drop()
-                return ExecResult(-1, b"", b"cellgate: the sandbox's runner was lost\n")
+                return RUNNER_LOST
             return None if result is SPAWN_FAILED else result
 
     async def _reply(self, reader: asyncio.StreamReader, rid: str) -> ExecResult:

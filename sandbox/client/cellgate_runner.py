@@ -307,7 +307,8 @@ def main() -> int:
         try:
             sock.connect(sys.argv[1] if len(sys.argv) > 1 else SOCKET)
             break
-        except (FileNotFoundError, ConnectionRefusedError):
+        except (FileNotFoundError, ConnectionRefusedError, PermissionError):
+            # not yet bound, not yet listening, or bound but not yet opened to us
             if time.monotonic() > deadline:
                 return 1
             time.sleep(CONNECT_POLL)
