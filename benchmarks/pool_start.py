@@ -18,7 +18,7 @@ event loop of its own thread, and measures, in one run:
    untimed): each one's first-turn latency (p50, p99) and the event loop's
    lag meanwhile (a 5 ms ticker on the gateway's loop: how late it woke, p99);
    the same burst once more with the pool off (cold) unless `--no-cold-burst`;
-3. idle memory (cgroup `memory.current`, via the engine's stats) of pooled
+3. idle memory (cgroup usage less inactive page cache, as `docker stats`) of pooled
    sandboxes waiting for a claim, of claimed idle sandboxes (resident runner
    inside), and of plain `sleep infinity` containers of the same image.
 
@@ -272,7 +272,11 @@ def _memory(client: Any, ids: list[str]) -> float:
             stats = client.api.stats(cid, stream=False)
         except docker.errors.NotFound:
             continue
-        values.append(float(stats["memory_stats"].get("usage", 0)))
+        mem = stats["memory_stats"]
+        # as `docker stats` shows it: the page cache it could drop (inactive files) left out
+        detail = mem.get("stats") or {}
+        cache = detail.get("inactive_file", detail.get("total_inactive_file", 0))
+        values.append(float(mem.get("usage", 0) - cache))
     return statistics.median(values) if values else 0.0
 
 

@@ -129,6 +129,21 @@ def _busy_conversations(state_dir: Path, agent: str) -> set[str]:
     return {str(r[0]) for r in rows}
 
 
+def _recorded_conversations(state_dir: Path) -> dict[str, str]:
+    """Sandbox name -> conversation, as the store records them: a pooled sandbox (F1)
+    learns its conversation at its claim, after its labels were set."""
+    db_path = state_dir / DB_FILE
+    if not db_path.exists():
+        return {}
+    db = Database(db_path)
+    try:
+        with db.read() as conn:
+            rows = conn.execute("SELECT name, conversation_id FROM sandboxes").fetchall()
+    finally:
+        db.close()
+    return {str(r[0]): str(r[1]) for r in rows if r[1]}
+
+
 def remove_app_sandboxes(
     docker: Any, state_dir: Path, app: str, agent: str, progress: Progress = _quiet
 ) -> list[str]:
@@ -143,10 +158,11 @@ def remove_app_sandboxes(
     gateway = load_gateway_id(state_dir)
     labels = [f"{LABEL_MANAGED}=1", f"{LABEL_GATEWAY}={gateway}", f"{LABEL_APP}={app}"]
     busy = _busy_conversations(state_dir, agent)
+    recorded = _recorded_conversations(state_dir)
     removed: list[str] = []
     for row in docker.api.containers(all=True, filters={"label": labels}):
         name = str(row["Names"][0]).lstrip("/")
-        conversation = row.get("Labels", {}).get(LABEL_CONVERSATION)
+        conversation = row.get("Labels", {}).get(LABEL_CONVERSATION) or recorded.get(name)
         # S6: the app's one container (no conversation label) is busy with any chat's turn
         if conversation in busy or (not conversation and busy):
             progress(f"sandbox {name} is running a turn; the gateway removes it after that turn")

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import logging
 import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from cellgate.errors import CellgateError
 
@@ -37,7 +39,7 @@ async def _serve(
         print(f"warning: {reason}", file=sys.stderr)
     gateway = Gateway(cfg, DockerBackend.from_env(), config_path=config_path)
     listen = cfg.gateway.listen
-    server = uvicorn.Server(
+    server = _graceful_server()(
         uvicorn.Config(
             create_app(gateway),
             host=listen.host if host is None else host,
@@ -55,6 +57,28 @@ async def _serve(
     finally:
         await gateway.close()
     return 0
+
+
+def _graceful_server() -> type[Any]:
+    import uvicorn
+
+    class GracefulServer(uvicorn.Server):
+        """uvicorn re-raises SIGTERM/SIGINT once it has stopped serving, which would end
+        the process before the gateway closes: its warm pools drained (F1), its bridge
+        sockets and runners closed. The signal is kept here; `_serve` returns after
+        `Gateway.close`."""
+
+        @contextlib.contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            with super().capture_signals():
+                try:
+                    yield
+                finally:
+                    captured = getattr(self, "_captured_signals", None)
+                    if isinstance(captured, list):
+                        captured.clear()
+
+    return GracefulServer
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:

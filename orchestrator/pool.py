@@ -133,6 +133,7 @@ class WarmPool:
         self._template: SandboxSpec | None = None
         self._key: str | None = None
         self._creating: set[str] = set()
+        self._pending: dict[asyncio.Future[SandboxHandle], tuple[Slot, int, SandboxSpec]] = {}
         self._claiming: set[str] = set()
         self._said: set[str] = set()
         self._last_claim = float("-inf")
@@ -288,9 +289,14 @@ class WarmPool:
         try:
             trigger = slot.open_trigger()
             spec = await asyncio.to_thread(pooled_spec, template, slot)
-            handle = await self.ops.create(spec)
+            # shielded: a shutdown meanwhile (drain) waits for it and removes what it made
+            create = asyncio.ensure_future(self.ops.create(spec))
+            self._pending[create] = (slot, trigger, spec)
+            handle = await asyncio.shield(create)
+            del self._pending[create]
         except (CellgateError, OSError) as exc:
             logger.warning("could not start a pooled sandbox for %s: %s", template.app, exc)
+            self._pending = {t: v for t, v in self._pending.items() if v[0] is not slot}
             if trigger >= 0:
                 os.close(trigger)
             await asyncio.to_thread(self.binder.release, slot)
@@ -305,9 +311,18 @@ class WarmPool:
         return True
 
     async def drain(self) -> None:
-        """Remove every ready sandbox (claimed ones stay with their conversations)."""
+        """Remove every ready sandbox, and every one still being made (claimed ones stay
+        with their conversations)."""
         while self.ready:
             await self._retire(self.ready.pop())
+        for create, (slot, trigger, spec) in list(self._pending.items()):
+            self._pending.pop(create, None)
+            try:
+                handle = await create
+            except (CellgateError, OSError):
+                handle = None
+            pooled = Pooled(slot, spec, handle or SandboxHandle(spec.name, "", ""), "", trigger)
+            await self._retire(pooled)
 
     async def sweep(self) -> None:
         """Release slots whose sandbox is gone (removed by the reaper, evicted, spent)."""

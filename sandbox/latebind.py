@@ -150,22 +150,30 @@ class LateBinder:
         self._ready = False
 
     def setup(self) -> None:
-        """Make `slots` a shared mount and `stage` a private one; raises `LateBindError`."""
+        """Make `slots` and `stage` private mounts; raises `LateBindError`."""
         if self._ready:
             return
         self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
         os.chmod(self.root, 0o700)
         _self_bind(self.stage, MS_PRIVATE)
-        _self_bind(self.slots, MS_SHARED)
+        _self_bind(self.slots, MS_PRIVATE)
         self._ready = True
 
     def new_slot(self) -> Slot:
+        """A slot directory that is a shared mount of its own: its own peer group, so
+        what a claim binds in it propagates to its sandbox alone, at a cost that does
+        not grow with the number of pooled sandboxes (F3)."""
         self.setup()
         slot = Slot(self.slots / secrets.token_hex(8))
         slot.root.mkdir(mode=0o755)
-        for d in slot.dirs().values():
-            d.mkdir(mode=0o755)
-        os.mkfifo(slot.root / "bridge" / CLAIM_FIFO, 0o644)
+        try:
+            _self_bind(slot.root, MS_SHARED)
+            for d in slot.dirs().values():
+                d.mkdir(mode=0o755)
+            os.mkfifo(slot.root / "bridge" / CLAIM_FIFO, 0o644)
+        except BaseException:
+            detach(str(slot.root))
+            raise
         return slot
 
     def bind_plan(self, slot: Slot, plan: MountPlan) -> None:
@@ -229,6 +237,7 @@ class LateBinder:
             self.unbind(slot)
         except LateBindError:
             return False
+        detach(str(slot.root))  # the slot's own shared mount
         mounted = {p for p in mountpoints() if p.startswith(str(slot.root))}
         return _prune(slot.root, mounted, 0)
 

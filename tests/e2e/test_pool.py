@@ -11,8 +11,11 @@ sandbox's late-bound mount refuses its next turn and replaces the sandbox.
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import os
 import subprocess
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import PurePosixPath
@@ -21,6 +24,7 @@ from typing import Any
 import pytest
 
 from orchestrator.pool import WarmPool
+from orchestrator.store.db import Database
 from sandbox.backends.docker import DockerBackend
 from sandbox.latebind import LateBinder, slot_path
 from sandbox.spec import LABEL_GATEWAY
@@ -122,6 +126,8 @@ def test_F1_S3_sandbox_of_chat_a_is_never_handed_to_chat_b(live: LiveGateway) ->
 
 def test_F1_S3_hostile_shell_sees_only_its_claim(live: LiveGateway) -> None:
     chat = "pool-hostile"
+    if live.runtime == "runc":
+        wait_ready(live, 1)  # its sandbox comes from the pool
     reply = live.run(
         chat,
         "cat /proc/self/mountinfo; ls -la /workspace /workspace/chats /run/cellgate; "
@@ -189,3 +195,78 @@ def _p(target: str) -> PurePosixPath:
 def _mounts() -> list[str]:
     with open("/proc/self/mountinfo", encoding="utf-8") as f:
         return [ln.split(" ")[4] for ln in f]
+
+
+BURST = 12
+
+
+def test_F3_burst_of_new_conversations_blocks_no_loop_and_bounds_engine_calls(
+    live: LiveGateway, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """F3: new conversations at once are each answered from a sandbox of their own,
+    while no blocking call runs on the gateway's event loop (fsync, sleep, a
+    subprocess, the store's sqlite) and the engine never sees more calls at once
+    than the backend's bounded workers. Time is measured in benchmarks/, not here."""
+    on_loop: list[str] = []
+    seen: set[str] = set()
+
+    def guard(owner: Any, name: str) -> None:
+        real = getattr(owner, name)
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            seen.add(name)
+            if asyncio_running():
+                on_loop.append(name)
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(owner, name, call)
+
+    for owner, name in (
+        (os, "fsync"),
+        (time, "sleep"),
+        (subprocess, "run"),
+        (subprocess, "Popen"),
+        (Database, "read"),
+        (Database, "write"),
+    ):
+        guard(owner, name)
+    backend = live.gateway.backend
+    inner = getattr(backend, "inner", backend)
+    assert isinstance(inner, DockerBackend)
+    api = inner._client.api
+    bound = inner._control_pool._max_workers + inner._exec_pool._max_workers
+    lock = threading.Lock()
+    in_flight, peak = [0], [0]
+    real_request = api.request
+
+    def request(*args: Any, **kwargs: Any) -> Any:
+        with lock:
+            in_flight[0] += 1
+            peak[0] = max(peak[0], in_flight[0])
+        try:
+            return real_request(*args, **kwargs)
+        finally:
+            with lock:
+                in_flight[0] -= 1
+
+    monkeypatch.setattr(api, "request", request)
+    chats = [f"burst-{i}" for i in range(BURST)]
+    with concurrent.futures.ThreadPoolExecutor(BURST) as ex:
+        replies = list(ex.map(lambda c: live.run(c, f"echo '<{c}>'; hostname"), chats))
+    hosts = set()
+    for chat, reply in zip(chats, replies, strict=True):
+        assert f"<{chat}>" in reply
+        assert not any(f"<{o}>" in reply for o in chats if o != chat)
+        hosts.add(reply.split(f"<{chat}>")[1].split()[0])
+    assert len(hosts) == BURST  # a sandbox each, none shared
+    assert {"fsync", "write"} <= seen  # the guards were in the way of the gateway's calls
+    assert on_loop == [], f"blocking calls on the event loop: {sorted(set(on_loop))}"
+    assert 0 < peak[0] <= bound, (peak[0], bound)
+
+
+def asyncio_running() -> bool:
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True

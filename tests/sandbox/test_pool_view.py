@@ -134,7 +134,7 @@ def test_F1_pool_key_ignores_the_conversation_and_drains_on_spec_change() -> Non
 
 
 def test_F1_pool_settings() -> None:
-    assert PoolSettings().size == 0  # opt-in: the pool starts nothing unless sized
+    assert 0 < PoolSettings().size <= PoolSettings().max  # small by default; 0 turns it off
     assert PoolSettings.model_validate({"size": 2}).max >= 2
     assert PoolSettings.model_validate({"size": 0, "max": 0}).size == 0
     with pytest.raises(ValidationError):
