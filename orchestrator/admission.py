@@ -170,7 +170,10 @@ class SandboxGate:
             now = asyncio.get_running_loop().time()
             if now < self._count_until:  # F3: a burst is not counted once per newcomer
                 if conversation in self._counted:
-                    return  # its own sandbox already counts
+                    # its own sandbox already counts; held too, in case it was removed
+                    # meanwhile and starts again before the next count sees it
+                    self._starting.add(conversation)
+                    return
                 if self._free > 0:
                     self._free -= 1
                     self._starting.add(conversation)

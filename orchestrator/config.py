@@ -84,7 +84,7 @@ class PoolSettings(_Model):
     pooled sandboxes of one app, ready or starting. Both live inside
     `limits.maxSandboxes` (R4)."""
 
-    size: int = Field(2, ge=0, le=1024)  # small by default; 0 turns it off (README: Speed)
+    size: int = Field(2, ge=0, le=1024)  # small by default; 0 turns it off (README: Warm pool)
     max: int = Field(8, ge=0, le=1024)
 
     @model_validator(mode="after")

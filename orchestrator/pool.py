@@ -195,6 +195,10 @@ class WarmPool:
     async def _bind(self, pooled: Pooled, spec: SandboxSpec) -> SandboxHandle | None:
         self._claiming.add(pooled.slot.id)  # the sweep leaves a slot being claimed alone
         started = False
+        bridge = spec.plan.by_target().get(str(BRIDGE))
+        if self.residents is not None and bridge is not None:
+            # an earlier sandbox's runner socket in this bridge dir would take the new runner
+            await self.residents.close_bridge(Path(bridge.source))
         try:
             started = await asyncio.to_thread(self._bind_and_start, pooled, spec.plan)
             self.claimed[spec.conversation] = Claimed(pooled, spec.plan)
@@ -286,23 +290,26 @@ class WarmPool:
         slot = await asyncio.to_thread(self.binder.new_slot)
         self._creating.add(slot.id)
         trigger = -1
+        create: asyncio.Future[SandboxHandle] | None = None
         try:
             trigger = slot.open_trigger()
             spec = await asyncio.to_thread(pooled_spec, template, slot)
-            # shielded: a shutdown meanwhile (drain) waits for it and removes what it made
+            # shielded: a drain meanwhile (shutdown, re-template) takes it over, waits
+            # for it and removes what it made; the slot and trigger are then the drain's
             create = asyncio.ensure_future(self.ops.create(spec))
             self._pending[create] = (slot, trigger, spec)
             handle = await asyncio.shield(create)
-            del self._pending[create]
         except (CellgateError, OSError) as exc:
             logger.warning("could not start a pooled sandbox for %s: %s", template.app, exc)
-            self._pending = {t: v for t, v in self._pending.items() if v[0] is not slot}
-            if trigger >= 0:
-                os.close(trigger)
-            await asyncio.to_thread(self.binder.release, slot)
+            if create is None or self._pending.pop(create, None) is not None:
+                if trigger >= 0:
+                    os.close(trigger)
+                await asyncio.to_thread(self.binder.release, slot)
             return False
         finally:
             self._creating.discard(slot.id)
+        if self._pending.pop(create, None) is None:
+            return False  # a drain took it over
         pooled = Pooled(slot, spec, handle, pool_key(template), trigger)
         if pooled.key != self._key:
             await self._retire(pooled)
@@ -415,7 +422,7 @@ class WarmPools:
         self._live = live
         if settings.size == 0 or not isinstance(backend, DockerBackend):
             return
-        binder = LateBinder(state_dir / "pool" / gateway_id)
+        root = state_dir / "pool" / gateway_id
         ops = DockerPoolOps(backend)
         for agent_id, rt in agents.items():
             sb = rt.sandboxes
@@ -426,6 +433,9 @@ class WarmPools:
                 now = agents.get(agent_id)
                 return now is not None and now.sandboxes is sb
 
+            # one slot root per agent: a pool's sweep releases slots it does not hold, so
+            # two pools must never see each other's
+            binder = LateBinder(root / sb.app.agent)
             pool = WarmPool(sb, settings, ops, binder, room=self.room, current=current)
             pool.residents = residents
             if sb.quota is not None and not isinstance(sb.quota, SparedQuota):

@@ -74,9 +74,7 @@ class ResidentBackend(SandboxBackend):
             await self._close(cid)
             rs = None
         if rs is None:
-            for other, r in list(self._runners.items()):
-                if r.bridge_dir == bridge_dir:  # that conversation's previous sandbox
-                    await self._close(other)
+            await self.close_bridge(bridge_dir)  # that conversation's previous sandbox's
             while len(self._runners) >= self.max_runners:
                 await self._close(next(iter(self._runners)))
             try:
@@ -98,6 +96,12 @@ class ResidentBackend(SandboxBackend):
             task = asyncio.create_task(self._launch(handle, spec.user))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
+
+    async def close_bridge(self, bridge_dir: Path) -> None:
+        """Close the runner socket an earlier sandbox of this bridge dir listens on."""
+        for other, r in list(self._runners.items()):
+            if r.bridge_dir == bridge_dir:
+                await self._close(other)
 
     def add_starter(self, container_id: str, start: Callable[[], bool]) -> None:
         """How a claimed pooled sandbox's runner is started (its claim FIFO), instead of exec."""

@@ -75,7 +75,9 @@ class SparedQuota(LoopQuota):
     ) -> None:
         agent_dir = self.agent_dir(agent, digest)
         if not self.image(agent, digest).exists():
-            with _locked(agent_dir / LOCK):
+            # the conversation's own lock (as LoopQuota's), then the spares': no image of
+            # its own can appear while a spare is renamed into place
+            with _locked(agent_dir / f"{digest}.lock"), _locked(agent_dir / LOCK):
                 self._take_spare(agent, digest)
         super().ensure(agent, digest, targets, owner)
 
@@ -102,6 +104,8 @@ class SparedQuota(LoopQuota):
         d = self.root / agent
         for name in self._spares(agent):
             spare = d / name
+            if not self._fits(spare):
+                continue  # made before the limits changed: the next refill drops it
             premounted = _mounted(spare, _mnt(spare))
             try:
                 os.rename(spare, image)  # the loop device's backing file follows
@@ -119,6 +123,17 @@ class SparedQuota(LoopQuota):
                     os.rmdir(_mnt(spare))
             return True
         return False
+
+    def _fits(self, spare: Path) -> bool:
+        """Was the spare made with the limits in force now (bytes, and inodes if mounted)?"""
+        try:
+            if os.stat(spare, follow_symlinks=False).st_size != self.limits.bytes:
+                return False
+            if _mounted(spare, _mnt(spare)):
+                return os.statvfs(_mnt(spare)).f_files >= self.limits.inodes
+        except FileNotFoundError:
+            return False
+        return True
 
     def refill(self, agent: str, count: int | None = None) -> int:
         """Make spares up to `count` (default: the one given at creation); how many were made."""
@@ -165,6 +180,13 @@ class SparedQuota(LoopQuota):
         with _locked(d / LOCK):
             for name in self._spares(agent):
                 spare = d / name
+                if not self._fits(spare):
+                    logger.info("quota (R2): spare %s has other limits; removed", name)
+                    detach(str(_mnt(spare)))
+                    with contextlib.suppress(OSError):
+                        os.rmdir(_mnt(spare))
+                    os.unlink(spare)
+                    continue
                 if not _mounted(spare, _mnt(spare)):
                     try:
                         self._mount_spare(spare, _mnt(spare))

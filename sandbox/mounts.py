@@ -140,8 +140,9 @@ def attach_copy(fd: int, target: str, flags: int) -> bool:
             return False
         raise MountError(f"open_tree for {target}: {os.strerror(err)}")
     try:
-        attr = _MountAttr(sum(v for k, v in _ATTR.items() if flags & k), 0, 0, 0)
-        if flags and (
+        # private too: the copy shares no propagation with its source's peers
+        attr = _MountAttr(sum(v for k, v in _ATTR.items() if flags & k), 0, MS_PRIVATE, 0)
+        if (
             _syscall(
                 ctypes.c_long(SYS_MOUNT_SETATTR),
                 ctypes.c_int(tree),

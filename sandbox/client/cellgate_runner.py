@@ -15,14 +15,13 @@ Frames both ways: a 4-byte big-endian length, a header, then raw bytes (the
 request's stdin; the reply's stdout then stderr). The request's header is a
 `marshal`led dict (it comes from the gateway); the reply's is JSON (the
 gateway parses what a sandbox sends with its bounded JSON reader). Only
-built-in modules are imported (`_socket`, `_signal`, `marshal`, `select`,
+built-in modules are imported (`_socket`, `marshal`, `select`,
 `os`, `time`): the runner of a pooled sandbox starts at its claim, and its
 start-up is on the first turn's path.
 """
 
 from __future__ import annotations
 
-import _signal  # type: ignore[import-not-found]  # no enum: start-up time
 import _socket
 import marshal
 import os
@@ -82,10 +81,12 @@ def spawn(
         (
             os.path.join(d, argv[0])
             for d in os.get_exec_path(env)
-            if os.access(os.path.join(d, argv[0]), os.X_OK)
+            if d.startswith("/") and os.access(os.path.join(d, argv[0]), os.X_OK)
         ),
-        argv[0],
+        None,
     )
+    if program is None:  # never one in the (sandbox-writable) working directory
+        raise FileNotFoundError(2, f"{argv[0]} is not on PATH")
     here = os.open(".", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
     r_out, w_out = os.pipe()
     r_err, w_err = os.pipe()
@@ -167,7 +168,8 @@ def run(req: dict[str, Any], stdin: bytes | None) -> tuple[dict[str, Any], bytes
     workdir = str(req["workdir"]) if req.get("workdir") else None
     try:
         pid, r_out, r_err, w_in = spawn(argv, env, workdir, stdin)
-    except OSError as exc:  # nothing ran (no process to spare, no such dir): exec decides
+    except Exception as exc:  # nothing ran (no process, no such dir, no posix_spawn or
+        # setsid here): the gateway runs it by exec instead
         return {"spawn_failed": True, "code": 126}, b"", f"cellgate-runner: {exc}\n".encode()
     out, err = bytearray(), bytearray()
     bufs = {r_out: out, r_err: err}
@@ -300,7 +302,8 @@ def serve(sock: _socket.socket) -> None:
 
 
 def main() -> int:
-    _signal.signal(SIGPIPE, _signal.SIG_DFL)
+    # SIGPIPE stays ignored (Python's default): a command that leaves its stdin unread,
+    # or a gateway gone, is an EPIPE here, never the end of the runner
     sock = _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM)
     deadline = time.monotonic() + CONNECT_WAIT
     while True:  # a pooled sandbox's runner starts while its claim is still being checked

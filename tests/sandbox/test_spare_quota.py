@@ -106,3 +106,16 @@ def test_F1_R2_a_pending_spare_left_by_a_crash_is_removed(
     spared.refill(AGENT, 1)
     assert not left.exists()
     assert fresh.exists()  # another refill's, still being made
+
+
+def test_F1_R2_a_spare_made_under_other_limits_is_never_handed_out(
+    spared: SparedQuota, tmp_path: Path
+) -> None:
+    spared.refill(AGENT, 1)
+    bigger = SparedQuota(LoopQuota(spared.root, QuotaLimits(2 * DISK_MB * MB, INODES)), 1)
+    c = conv(bigger, tmp_path, "grown")
+    c.ensure()
+    assert bigger.image(AGENT, c.digest).stat().st_size == 2 * DISK_MB * MB  # made anew
+    assert bigger.refill(AGENT) == 1  # the old spare dropped, one of the new size made
+    [mp] = spare_mounts(bigger)
+    assert os.statvfs(mp).f_blocks * os.statvfs(mp).f_frsize > DISK_MB * MB
