@@ -110,7 +110,7 @@ class Bench:
         def spares() -> int:  # the quota images made ahead are part of a filled pool
             return quota.spares(agent) if isinstance(quota, SparedQuota) else n
 
-        while len(self.pool.ready) < n or spares() < n:
+        while len(self.pool.ready) < n or spares() < n or self.pool._creating:
             if time.monotonic() > deadline:
                 raise SystemExit(f"the pool did not reach {n} ready (has {len(self.pool.ready)})")
             time.sleep(0.05)
@@ -172,7 +172,7 @@ def trials(b: Bench, n: int, seed: int) -> dict[str, list[float]]:
     print(f"  warm conversation's sandbox: {first.sandbox}", file=sys.stderr)
 
     def pool() -> None:
-        b.wait_pool(1)
+        b.wait_pool(b.pool.settings.size)  # refilled and quiet: no refill competes with it
         t0 = time.perf_counter()
         out = b.turn(run.new_chat("pool"))
         elapsed = time.perf_counter() - t0

@@ -13,16 +13,19 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import json
 import os
 import subprocess
 import threading
 import time
 from collections.abc import Iterator
-from pathlib import PurePosixPath
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 import pytest
 
+from orchestrator.apps import install_app
+from orchestrator.config import write_config_document
 from orchestrator.pool import WarmPool
 from orchestrator.store.db import Database
 from sandbox.backends.docker import DockerBackend
@@ -32,6 +35,7 @@ from tests.e2e.conftest import (
     CANARIES,
     CONFIG_KEY,
     LiveGateway,
+    _prepare_app,
     install_test_app,
     remove_app_containers,
 )
@@ -270,3 +274,61 @@ def asyncio_running() -> bool:
     except RuntimeError:
         return False
     return True
+
+
+def test_F1_S3_two_apps_pools_never_release_each_others_slots(
+    tmp_path: Path, docker_client: Any, base_image: str
+) -> None:
+    """Two app agents, two pools on one gateway: claims and sweeps of one leave the
+    other's ready and claimed sandboxes whole (each pool has a slot root of its own)."""
+    apps = ("mpa", "mpb")
+    config = install_test_app(tmp_path, docker_client, base_image, apps[0], {"pool": POOL})
+    state = config.parent
+    install_app(
+        _prepare_app(tmp_path, apps[1]),
+        config,
+        state,
+        docker_client,
+        lambda _: None,
+        build_args={"BASE_IMAGE": base_image},
+    )
+    doc = json.loads(config.read_text())
+    doc["apiKeys"][0]["agents"] = [f"{a}-bot" for a in apps]
+    write_config_document(config, doc)
+    try:
+        with served_gateway(config, DockerBackend.from_env, background=True) as (url, gw):
+            lives = {
+                a: LiveGateway(url, CONFIG_KEY, state, a, f"{a}-bot", docker_client, gw, "runc")
+                for a in apps
+            }
+            pools = {p.sandboxes.app.name: p for p in gw.pools.pools}
+            assert set(pools) == set(apps)
+            roots = {p.binder.root for p in pools.values()}
+            assert len(roots) == 2  # a slot root each
+
+            def ready(a: str) -> None:
+                deadline = time.monotonic() + 60
+                while not pools[a].ready:
+                    assert time.monotonic() < deadline, f"the pool of {a} did not fill"
+                    time.sleep(0.1)
+
+            for a in apps:
+                ready(a)
+            first = {}
+            for round_ in range(2):  # each claims, each sweeps after its claim
+                for a in apps:
+                    reply = lives[a].run(f"{a}-chat", f"echo {a}-{round_}; hostname")
+                    assert f"{a}-{round_}" in reply and "[exit 0]" in reply
+                    host = reply.split(f"{a}-{round_}")[1].split()[0]
+                    assert first.setdefault(a, host) == host  # the same claimed sandbox
+                time.sleep(1.0)  # the pools refill and sweep after those claims
+            for a in apps:
+                [claimed] = pools[a].claimed.values()
+                assert "-agent-p-" in claimed.pooled.handle.name
+                assert claimed.pooled.slot.root.is_dir()
+                ready(a)
+                assert all(p.slot.root.is_dir() for p in pools[a].ready)
+    finally:
+        for a in apps:
+            remove_app_containers(docker_client, a)
+        LateBinder(state / "pool" / RUN_ID).teardown()
