@@ -173,6 +173,8 @@ def remove_app_sandboxes(
         except docker_errors.NotFound:
             continue
         except docker_errors.APIError as exc:
+            if "already in progress" in str(exc.explanation or ""):
+                continue  # the running gateway removes it (its warm pool draining, F1)
             raise AppError(app, f"cannot remove sandbox {name}: {exc.explanation}") from exc
         removed.append(name)
     _forget_sandboxes(state_dir, removed)

@@ -166,6 +166,7 @@ class Gateway:
             residents=self.runner.residents,
         )
         self.sandboxes.pooled = self.pools.holds  # reconcile leaves the live pools' sandboxes
+        self.reloader.restarted = self.pools.restarted  # L5: pools follow their agents
         self._started = False
         self._background: list[asyncio.Task[None]] = []
 
@@ -209,6 +210,9 @@ class Gateway:
             asyncio.create_task(supervised("cron", self.cron.run_forever)),  # C1, missed runs
             *(asyncio.create_task(supervised("pool", p.run_forever)) for p in self.pools.pools),
         ]
+        self.pools.spawn = lambda pool: self._background.append(
+            asyncio.create_task(supervised("pool", pool.run_forever))
+        )
         if self.config_path is not None:  # L5: config changes without a restart
             self.reloader.install_sighup()
             self._background.append(

@@ -420,28 +420,57 @@ class WarmPools:
         self.pools: list[WarmPool] = []
         self._max = max_sandboxes
         self._live = live
-        if settings.size == 0 or not isinstance(backend, DockerBackend):
+        self._agents = agents
+        self._settings = settings
+        self._residents = residents
+        self.spawn: Callable[[WarmPool], None] | None = None  # runs a new pool (L5 restarts)
+        self._on = settings.size > 0 and isinstance(backend, DockerBackend)
+        if not self._on:
             return
-        root = state_dir / "pool" / gateway_id
-        ops = DockerPoolOps(backend)
-        for agent_id, rt in agents.items():
-            sb = rt.sandboxes
-            if not isinstance(sb, ConversationSandboxes):
-                continue  # S6's one container and host agents have nothing to pool
+        assert isinstance(backend, DockerBackend)
+        self._root = state_dir / "pool" / gateway_id
+        self._ops = DockerPoolOps(backend)
+        for agent_id in list(agents):
+            self._add(agent_id)
 
-            def current(agent_id: str = agent_id, sb: ConversationSandboxes = sb) -> bool:
-                now = agents.get(agent_id)
-                return now is not None and now.sandboxes is sb
+    def _add(self, agent_id: str) -> WarmPool | None:
+        rt = self._agents.get(agent_id)
+        sb = rt.sandboxes if rt is not None else None
+        if not isinstance(sb, ConversationSandboxes):
+            return None  # S6's one container and host agents have nothing to pool
+        agents = self._agents
 
-            # one slot root per agent: a pool's sweep releases slots it does not hold, so
-            # two pools must never see each other's
-            binder = LateBinder(root / sb.app.agent)
-            pool = WarmPool(sb, settings, ops, binder, room=self.room, current=current)
-            pool.residents = residents
-            if sb.quota is not None and not isinstance(sb.quota, SparedQuota):
-                sb.quota = SparedQuota(sb.quota, settings.size)
-            sb.pool = pool
-            self.pools.append(pool)
+        def current() -> bool:
+            now = agents.get(agent_id)
+            return now is not None and now.sandboxes is sb
+
+        # one slot root per agent: a pool's sweep releases slots it does not hold, so
+        # two pools must never see each other's
+        binder = LateBinder(self._root / sb.app.agent)
+        pool = WarmPool(sb, self._settings, self._ops, binder, room=self.room, current=current)
+        pool.residents = self._residents
+        if sb.quota is not None and not isinstance(sb.quota, SparedQuota):
+            sb.quota = SparedQuota(sb.quota, self._settings.size)
+        sb.pool = pool
+        self.pools.append(pool)
+        return pool
+
+    def restarted(self, agent_id: str) -> None:
+        """L5: the agent was restarted (or dropped): its old pool drains now, not at its
+        next refill; a restarted agent gets a pool of its own new sandboxes."""
+        for old in [p for p in self.pools if not p.current()]:
+            old.wake.set()  # its loop sees it is no longer current, drains and ends
+            self.pools.remove(old)
+        if not self._on or any(
+            p.current() and p.sandboxes.app.agent == agent_id for p in self.pools
+        ):
+            return
+        rt = self._agents.get(agent_id)
+        if rt is None or rt.unavailable is not None:
+            return
+        pool = self._add(agent_id)
+        if pool is not None and self.spawn is not None:
+            self.spawn(pool)
 
     def holds(self, name: str) -> bool:
         """Is `name` a sandbox one of this gateway's live pools holds (not an orphan)?"""

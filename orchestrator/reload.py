@@ -89,6 +89,8 @@ class Reloader:
         self.on_config = on_config
         self.pending: dict[str, Pending] = {}
         self.restarts = 0
+        # told of each restart or stop (the gateway's warm pools follow the agent, F1)
+        self.restarted: Callable[[str], None] = lambda _agent: None
         self._hup = asyncio.Event()
         self._seen = self.fingerprint()
         self._lock = asyncio.Lock()
@@ -248,6 +250,7 @@ class Reloader:
                 logger.info("agent %s: removed %d sandbox(es) (S5)", agent_id, len(removed))
         if p.config is None:
             self.agents.drop(agent_id)
+            self.restarted(agent_id)
             logger.info("agent %s stopped: %s", agent_id, p.why)
             return
         new = await asyncio.to_thread(self._load, p.config)
@@ -257,6 +260,7 @@ class Reloader:
             if verdict is not None and not verdict.ok:  # S2, as at start
                 new.unavailable = verdict.summary
         self.agents.put(agent_id, new)
+        self.restarted(agent_id)
         self.restarts += 1
         logger.info(
             "agent %s restarted (%s): isolateMemory %s, disableArchive %s (L5)",

@@ -173,6 +173,11 @@ def cleanup(docker_client: Any) -> Iterator[list[str]]:
                 docker_client.images.remove(ref, force=True)
 
 
+def pool_of(gw: Any, agent: str) -> Any:
+    """The agent's current warm pool (a restart replaces it)."""
+    return next(p for p in gw.pools.pools if p.current() and p.sandboxes.app.agent == agent)
+
+
 def test_S5_L3_L4_app_life_over_the_cli(
     tmp_path: Path, docker_client: Any, base_image: str, cleanup: list[str],
     capsys: pytest.CaptureFixture[str],
@@ -199,6 +204,10 @@ def test_S5_L3_L4_app_life_over_the_cli(
         assert "release-2" in second and "PERSONA-TWO" in second and "PERSONA-ONE" not in second
         assert "fact-42" in second
         assert sandboxes(docker_client, app).isdisjoint(before)
+        # F1, L5: the restarted agent has a warm pool of its new sandboxes
+        wait_for("the restarted agent's warm pool", lambda: bool(pool_of(gw, agent).ready))
+        assert "release-2" in c.run("bob", SHOW)
+        assert pool_of(gw, agent).claimed  # bob's sandbox came from it
 
         # L4: inspect, list.
         capsys.readouterr()
