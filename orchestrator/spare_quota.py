@@ -33,11 +33,11 @@ from sandbox.quota import (
     MARKERS,
     LoopQuota,
     QuotaTarget,
-    _keep_spare_inodes,
-    _locked,
-    _mount_image,
+    keep_spare_inodes,
+    locked,
     loop_backing_file,
     make_image,
+    mount_image,
 )
 
 logger = logging.getLogger(__name__)
@@ -77,7 +77,7 @@ class SparedQuota(LoopQuota):
         if not self.image(agent, digest).exists():
             # the conversation's own lock (as LoopQuota's), then the spares': no image of
             # its own can appear while a spare is renamed into place
-            with _locked(agent_dir / f"{digest}.lock"), _locked(agent_dir / LOCK):
+            with locked(agent_dir / f"{digest}.lock"), locked(agent_dir / LOCK):
                 self._take_spare(agent, digest)
         super().ensure(agent, digest, targets, owner)
 
@@ -138,9 +138,7 @@ class SparedQuota(LoopQuota):
     def refill(self, agent: str, count: int | None = None) -> int:
         """Make spares up to `count` (default: the one given at creation); how many were made."""
         count = self.count if count is None else count
-        if not re.fullmatch(r"[a-z0-9][a-z0-9-]{0,39}", agent):
-            return 0
-        d = self.agent_dir(agent, "spares")
+        d = self.agent_dir(agent, "spares")  # checks the agent's name
         self._remount_spares(agent)
         made = 0
         for _ in range(count - len(self._spares(agent))):
@@ -167,17 +165,17 @@ class SparedQuota(LoopQuota):
     def _mount_spare(self, image: Path, mnt: Path) -> None:
         with contextlib.suppress(FileExistsError):
             os.mkdir(mnt, 0o700)
-        _mount_image(str(image), mnt, self.limits)
+        mount_image(str(image), mnt, self.limits)
         if not _mounted(image, mnt):
             raise QuotaError(f"{image} did not show up mounted at {mnt}")
         with contextlib.suppress(FileExistsError):
             os.mkdir(mnt / MARKERS, 0o700)
-        _keep_spare_inodes(mnt, mnt / MARKERS / "spare")
+        keep_spare_inodes(mnt, mnt / MARKERS / "spare")
 
     def _remount_spares(self, agent: str) -> None:
         """Mount spares that are not (after a reboot); drop pending ones a crash left."""
         d = self.root / agent
-        with _locked(d / LOCK):
+        with locked(d / LOCK):
             for name in self._spares(agent):
                 spare = d / name
                 if not self._fits(spare):

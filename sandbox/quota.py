@@ -248,7 +248,7 @@ def make_image(image: Path, limits: QuotaLimits) -> None:
             tmp.unlink()
 
 
-def _mount_image(image: str, mnt: Path, limits: QuotaLimits) -> None:
+def mount_image(image: str, mnt: Path, limits: QuotaLimits) -> None:
     opts = ",".join(limits.mount_flags())
     dev = _attached_loop(image)
     if dev is not None:
@@ -445,7 +445,7 @@ def _mkdirs_nofollow(base: Path, target: Path, mode: int = 0o755) -> None:
             raise QuotaError(f"{current} exists and is not a directory (symlinks are refused)")
 
 
-def _keep_spare_inodes(mnt: Path, spare: Path) -> None:
+def keep_spare_inodes(mnt: Path, spare: Path) -> None:
     """ext4 reserves blocks for root but no inodes: hold a few as empty files.
 
     When a sandbox has used every other inode they are given back, so that the
@@ -471,7 +471,7 @@ _THREAD_LOCK = threading.Lock()
 
 
 @contextlib.contextmanager
-def _locked(lock_path: Path) -> Iterator[None]:
+def locked(lock_path: Path) -> Iterator[None]:
     fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
@@ -506,14 +506,14 @@ class LoopQuota:
         table is read only to set something up."""
         agent_dir = self.agent_dir(agent, digest)
         image, mnt = self.image(agent, digest), self.mount_dir(agent, digest)
-        with _locked(agent_dir / f"{digest}.lock"):
+        with locked(agent_dir / f"{digest}.lock"):
             if not image.exists():
                 make_image(image, self.limits)
             dev = self._mount(image, mnt)
             markers = mnt / MARKERS
             with contextlib.suppress(FileExistsError):
                 os.mkdir(markers, 0o700)
-            _keep_spare_inodes(mnt, markers / "spare")
+            keep_spare_inodes(mnt, markers / "spare")
             for t in targets:
                 self._bind(t, mnt, markers, dev, owner)
 
@@ -541,7 +541,7 @@ class LoopQuota:
             if loop_backing_file(st.st_dev) != str(image):
                 raise QuotaError(f"{mnt} holds another mount; unmount it (`umount {mnt}`)")
         else:
-            _mount_image(str(image), mnt, self.limits)
+            mount_image(str(image), mnt, self.limits)
             st = os.lstat(mnt)
             if loop_backing_file(st.st_dev) != str(image):
                 raise QuotaError(f"{image} did not show up mounted at {mnt}")
@@ -651,7 +651,7 @@ def _try_loop(root: Path) -> QuotaSupport:
         mnt.mkdir()
         try:
             make_image(image, limits)
-            _mount_image(str(os.path.realpath(image)), mnt, limits)
+            mount_image(str(os.path.realpath(image)), mnt, limits)
             try:
                 (mnt / "probe").write_bytes(b"cellgate")
                 free = os.statvfs(mnt)
