@@ -37,6 +37,8 @@ from orchestrator.demo import sample_app_dir
 from orchestrator.gateway import Gateway, TurnOutcome
 from sandbox.backends.docker import DockerBackend
 from sandbox.gateway_id import load_gateway_id
+from sandbox.latebind import detach_under
+from sandbox.quota import release_all
 from sandbox.spec import LABEL_APP, LABEL_GATEWAY
 
 T = TypeVar("T")
@@ -213,4 +215,8 @@ def bench_run(
         if run is not None:
             run.cleanup()
         client.close()
+        # the quota images' and the pool slots' mounts, before their files go (a mount
+        # left behind keeps a loop device and a kernel thread until the host reboots)
+        detach_under(state)
+        release_all(state)
         shutil.rmtree(state, ignore_errors=True)

@@ -45,6 +45,7 @@ logger = logging.getLogger(__name__)
 SPARE = re.compile(r"spare-[0-9a-f]{16}\.img")
 PENDING = re.compile(r"pending-[0-9a-f]{16}\.img")
 LOCK = "spares.lock"
+LIMITS = "limits"  # in the spare's markers dir: the limits it was made for
 STALE_PENDING = 600.0  # seconds: a pending spare this old was left by a crash
 
 
@@ -55,6 +56,15 @@ def _mounted(image: Path, mnt: Path) -> bool:
     except FileNotFoundError:
         return False
     return st.st_dev != parent.st_dev and loop_backing_file(st.st_dev) == str(image)
+
+
+def _read_record(path: Path) -> str:
+    """A spare's limits record (root's own file in a root-only image, never a sandbox's)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        return os.read(fd, 64).decode("ascii", "replace")
+    finally:
+        os.close(fd)
 
 
 def _mnt(image: Path) -> Path:
@@ -125,15 +135,20 @@ class SparedQuota(LoopQuota):
         return False
 
     def _fits(self, spare: Path) -> bool:
-        """Was the spare made with the limits in force now (bytes, and inodes if mounted)?"""
+        """Was the spare made for the limits in force now? Its size says the bytes; once
+        mounted, its own record says both (mkfs rounds `-N` to whole groups, so the
+        image's inode count cannot be compared with the limit)."""
         try:
             if os.stat(spare, follow_symlinks=False).st_size != self.limits.bytes:
                 return False
             if _mounted(spare, _mnt(spare)):
-                return os.statvfs(_mnt(spare)).f_files >= self.limits.inodes
-        except FileNotFoundError:
+                return _read_record(_mnt(spare) / MARKERS / LIMITS) == self._record()
+        except OSError:
             return False
         return True
+
+    def _record(self) -> str:
+        return f"{self.limits.bytes} {self.limits.inodes}\n"
 
     def refill(self, agent: str, count: int | None = None) -> int:
         """Make spares up to `count` (default: the one given at creation); how many were made."""
@@ -171,6 +186,13 @@ class SparedQuota(LoopQuota):
         with contextlib.suppress(FileExistsError):
             os.mkdir(mnt / MARKERS, 0o700)
         keep_spare_inodes(mnt, mnt / MARKERS / "spare")
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+        with contextlib.suppress(FileExistsError):  # a remounted spare keeps its record
+            fd = os.open(mnt / MARKERS / LIMITS, flags, 0o600)
+            try:
+                os.write(fd, self._record().encode())
+            finally:
+                os.close(fd)
 
     def _remount_spares(self, agent: str) -> None:
         """Mount spares that are not (after a reboot); drop pending ones a crash left."""

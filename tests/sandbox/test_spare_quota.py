@@ -18,7 +18,13 @@ from pathlib import Path
 import pytest
 
 from orchestrator.spare_quota import STALE_PENDING, SparedQuota
-from sandbox.quota import LoopQuota, QuotaLimits, loop_backing_file, mountinfo, release_all
+from sandbox.quota import (
+    LoopQuota,
+    QuotaLimits,
+    loop_backing_file,
+    mountinfo,
+    release_all,
+)
 from tests.sandbox.test_quota import DISK_MB, INODES, MB, OWNER, conv, fill
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="loop mounts need root")
@@ -119,3 +125,34 @@ def test_F1_R2_a_spare_made_under_other_limits_is_never_handed_out(
     assert bigger.refill(AGENT) == 1  # the old spare dropped, one of the new size made
     [mp] = spare_mounts(bigger)
     assert os.statvfs(mp).f_blocks * os.statvfs(mp).f_frsize > DISK_MB * MB
+
+
+def test_F1_R2_spares_serve_inode_counts_mkfs_rounds(tmp_path: Path) -> None:
+    """mkfs.ext4 rounds `-N` to whole block groups (20 000 in 256 MiB gives 19 968):
+    a spare made for the gateway's default limits is still one of those limits."""
+    limits = QuotaLimits(256 * MB, 20_000)  # the defaults (diskMb, diskInodes)
+    q = SparedQuota(LoopQuota(tmp_path / "state" / "quota", limits), 1)
+    try:
+        assert q.refill(AGENT) == 1
+        [mp] = spare_mounts(q)
+        assert os.statvfs(mp).f_files < 20_000  # rounded down: the case at hand
+        c = conv(q, tmp_path, "r")
+        c.ensure()
+        assert spare_mounts(q) == []  # taken, not made anew
+        assert q.refill(AGENT) == 1 and len(spare_mounts(q)) == 1  # kept, not dropped
+    finally:
+        release_all(tmp_path)
+
+
+def test_F1_R2_a_spare_of_other_inodes_same_bytes_is_never_handed_out(
+    spared: SparedQuota, tmp_path: Path
+) -> None:
+    spared.refill(AGENT, 1)
+    [old] = spare_mounts(spared)
+    more = SparedQuota(LoopQuota(spared.root, QuotaLimits(DISK_MB * MB, 2 * INODES)), 1)
+    c = conv(more, tmp_path, "more-inodes")
+    c.ensure()
+    assert spare_mounts(more) == [old]  # not taken: made anew with its own inodes
+    assert os.statvfs(c.chat).f_files >= 2 * INODES
+    assert more.refill(AGENT) == 1  # the old spare dropped, one of the new limits made
+    assert spare_mounts(more) != [old] and len(spare_mounts(more)) == 1
