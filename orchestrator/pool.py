@@ -25,6 +25,7 @@ import contextlib
 import dataclasses
 import logging
 import os
+import threading
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -137,6 +138,7 @@ class WarmPool:
         self._claiming: set[str] = set()
         self._said: set[str] = set()
         self._last_claim = float("-inf")
+        self._stop = threading.Event()  # ends a spare-quota refill in its worker thread
         self.refusal = late_bind_refusal(sandboxes.settings.runtime)
         if settings.size == 0:
             self.refusal = "the pool is off (pool.size is 0)"
@@ -277,14 +279,24 @@ class WarmPool:
         return sum(made)
 
     async def _refill_quota(self) -> None:
-        """Spare quota images, after the sandboxes (a first turn needs both)."""
+        """Spare quota images, after the sandboxes (a first turn needs both).
+
+        Cancelled (shutdown, restart), it tells the worker thread to stop and waits for
+        the spare it is making: nothing is mounted under the state dir after `close`."""
         quota = self.sandboxes.quota
-        if isinstance(quota, SparedQuota):
-            try:
-                agent, size = self.sandboxes.app.agent, self.settings.size
-                await asyncio.to_thread(quota.refill, agent, size)
-            except CellgateError as exc:
-                logger.warning("could not make spare quota images: %s", exc)
+        if not isinstance(quota, SparedQuota):
+            return
+        agent, size = self.sandboxes.app.agent, self.settings.size
+        job = asyncio.ensure_future(asyncio.to_thread(quota.refill, agent, size, self._stop))
+        try:
+            await asyncio.shield(job)
+        except asyncio.CancelledError:
+            self._stop.set()
+            with contextlib.suppress(CellgateError, OSError):
+                await job
+            raise
+        except CellgateError as exc:
+            logger.warning("could not make spare quota images: %s", exc)
 
     async def _make(self, template: SandboxSpec) -> bool:
         slot = await asyncio.to_thread(self.binder.new_slot)

@@ -23,6 +23,7 @@ import logging
 import os
 import re
 import secrets
+import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -150,13 +151,19 @@ class SparedQuota(LoopQuota):
     def _record(self) -> str:
         return f"{self.limits.bytes} {self.limits.inodes}\n"
 
-    def refill(self, agent: str, count: int | None = None) -> int:
-        """Make spares up to `count` (default: the one given at creation); how many were made."""
+    def refill(
+        self, agent: str, count: int | None = None, stop: threading.Event | None = None
+    ) -> int:
+        """Make spares up to `count` (default: the one given at creation); how many were made.
+
+        `stop` set (the gateway is shutting down) ends it before the next spare."""
         count = self.count if count is None else count
         d = self.agent_dir(agent, "spares")  # checks the agent's name
         self._remount_spares(agent)
         made = 0
         for _ in range(count - len(self._spares(agent))):
+            if stop is not None and stop.is_set():
+                break
             self._make_spare(d)
             made += 1
         return made
@@ -167,7 +174,7 @@ class SparedQuota(LoopQuota):
         pending, spare = d / f"pending-{token}.img", d / f"spare-{token}.img"
         make_image(pending, self.limits)
         try:
-            self._mount_spare(pending, _mnt(spare))
+            self._mount_spare(pending, _mnt(spare), fresh=True)
             os.rename(pending, spare)
         except BaseException:
             detach(str(_mnt(spare)))
@@ -177,10 +184,10 @@ class SparedQuota(LoopQuota):
                 os.unlink(pending)
             raise
 
-    def _mount_spare(self, image: Path, mnt: Path) -> None:
+    def _mount_spare(self, image: Path, mnt: Path, *, fresh: bool = False) -> None:
         with contextlib.suppress(FileExistsError):
             os.mkdir(mnt, 0o700)
-        mount_image(str(image), mnt, self.limits)
+        mount_image(str(image), mnt, self.limits, fresh=fresh)
         if not _mounted(image, mnt):
             raise QuotaError(f"{image} did not show up mounted at {mnt}")
         with contextlib.suppress(FileExistsError):

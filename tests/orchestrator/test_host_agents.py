@@ -195,6 +195,15 @@ def test_S6_readme_says_a_host_agent_is_not_an_os_sandbox() -> None:
     assert "`<app>-agent`, one container for every conversation" in section
 
 
+def _alive_sleep(pid: int, cmdline: bytes) -> bool:
+    """Is `pid` still that child, and not a zombie (its number may have gone to another)?"""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0]
+        return state != "Z" and Path(f"/proc/{pid}/cmdline").read_bytes() == cmdline
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return False
+
+
 async def test_S6_R3_host_exec_bounds_output_time_and_children(tmp_path: Path) -> None:
     ex = HostExec(output_cap=4096)
     handle = host_handle("bounds")
@@ -210,8 +219,7 @@ async def test_S6_R3_host_exec_bounds_output_time_and_children(tmp_path: Path) -
     # the child holding the pipe did not hold the turn to its deadline
     assert not left.timed_out and left.stdout == b"parent-done\n"
     pid = int(pidfile.read_text())
-    stat = Path(f"/proc/{pid}/stat")
-    assert not stat.exists() or stat.read_text().split(") ")[1].startswith("Z")
+    assert not _alive_sleep(pid, b"sleep\x00300\x00")
     fed = await ex.exec(handle, ["cat"], stdin=b"x" * 300_000, timeout=10)
     assert len(fed.stdout) == 4096 and fed.exit_code == 0
     missing = await ex.exec(handle, ["/nonexistent/agent-binary"])

@@ -130,6 +130,21 @@ def test_r2_three_dirs_one_image_nosuid_nodev_noexec(quota: LoopQuota, tmp_path:
     assert image.stat().st_blocks * 512 < DISK_MB * MB // 2  # sparse
 
 
+def test_r2_a_new_image_costs_little_real_disk_and_no_background_writes(tmp_path: Path) -> None:
+    """A conversation's image at the defaults (256 MiB, 20 000 inodes) stays a hole: its
+    journal is not written with zeros at mkfs (nor its inode tables after the mount, by
+    the kernel's background init); a host of many conversations pays for their data."""
+    q = LoopQuota(tmp_path / "quota", QuotaLimits(256 * MB, 20_000))
+    c = conv(q, tmp_path, "thin")
+    c.ensure()
+    os.sync()
+    image = q.image("agent-q", c.digest)
+    assert image.stat().st_blocks * 512 < 2 * MB  # was 8.4 MiB of journal zeros alone
+    (c.chat / "note").write_text("kept")  # and it is a working filesystem
+    os.sync()
+    assert (c.chat / "note").read_text() == "kept"
+
+
 def test_r2_dd_stops_at_the_quota_for_all_three_dirs_and_not_the_neighbour(
     quota: LoopQuota, tmp_path: Path
 ) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import concurrent.futures
 import os
 import subprocess
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -156,3 +157,12 @@ def test_F1_R2_a_spare_of_other_inodes_same_bytes_is_never_handed_out(
     assert os.statvfs(c.chat).f_files >= 2 * INODES
     assert more.refill(AGENT) == 1  # the old spare dropped, one of the new limits made
     assert spare_mounts(more) != [old] and len(spare_mounts(more)) == 1
+
+
+def test_F1_R2_a_refill_told_to_stop_makes_no_more_spares(spared: SparedQuota) -> None:
+    """At shutdown the pool stops its refill thread: nothing is mounted after close."""
+    stop = threading.Event()
+    stop.set()
+    assert spared.refill(AGENT, 3, stop) == 0
+    assert spare_mounts(spared) == []
+    assert spared.refill(AGENT, 1, threading.Event()) == 1
