@@ -39,7 +39,13 @@ from sandbox.backends.base import (
 )
 from sandbox.backends.docker import EXEC_MARKER_ENV, DockerBackend
 from sandbox.backends.docker_pool import RUNNER_ARGV, DockerPoolOps
-from sandbox.runner_client import RUNNER_LOST, RUNNER_NAME, RunnerSocket
+from sandbox.runner_client import (
+    RUNNER_CODE_NAME,
+    RUNNER_LOST,
+    RUNNER_NAME,
+    RunnerSocket,
+    runner_code,
+)
 from sandbox.spec import SandboxSpec
 from sandbox.verify import ObservedContainer
 
@@ -63,6 +69,7 @@ class ResidentBackend(SandboxBackend):
         self._starters: dict[str, Callable[[], bool]] = {}
         self._triggered: set[str] = set()
         self._script = resources.files("sandbox.client").joinpath("cellgate_runner.py").read_bytes()
+        self._code = runner_code(self._script)
 
     async def ready(self, handle: SandboxHandle, bridge_dir: Path, spec: SandboxSpec) -> None:
         """A turn's verified sandbox: its runner socket listens, and a runner is on its way."""
@@ -113,6 +120,7 @@ class ResidentBackend(SandboxBackend):
         """Put the runner's script into the conversation's bridge directory (read-only inside)."""
         with SafeDir.open(bridge_dir) as d:
             d.write_atomic(RUNNER_NAME, self._script, mode=0o755, durable=False)
+            d.write_atomic(RUNNER_CODE_NAME, self._code, mode=0o644, durable=False)
 
     async def _launch(self, handle: SandboxHandle, user: str) -> None:
         try:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import shlex
 from typing import Any
 
 import docker
@@ -23,19 +24,19 @@ from sandbox.backends.docker import DockerBackend, _ExecJob, create_kwargs, obse
 from sandbox.latebind import CLAIM_FIFO
 from sandbox.mountplan import BRIDGE, MountPlan
 from sandbox.pool import read_view, view_violations
-from sandbox.runner_client import RUNNER_NAME
+from sandbox.runner_client import runner_loader
 from sandbox.spec import SandboxSpec
 from sandbox.verify import ObservedContainer, violations
 
 SUPPORTED_RUNTIMES = (None, "runc")
-RUNNER_ARGV = ("python3", "-I", "-S", f"{BRIDGE}/{RUNNER_NAME}")
+RUNNER_ARGV = ("python3", "-I", "-S", "-c", runner_loader(str(BRIDGE)))
 # A pooled sandbox's first process: it waits (reading the slot's claim FIFO, no
 # CPU) until its claim is complete, runs the resident runner from the bridge dir
 # the claim bound, and keeps the sandbox alive if the runner ends.
 POOL_COMMAND = (
     "/bin/sh",
     "-c",
-    f"read _ < {BRIDGE}/{CLAIM_FIFO}; {' '.join(RUNNER_ARGV)} 2>/dev/null; exec sleep infinity",
+    f"read _ < {BRIDGE}/{CLAIM_FIFO}; {shlex.join(RUNNER_ARGV)} 2>/dev/null; exec sleep infinity",
 )
 
 

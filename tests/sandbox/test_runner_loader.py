@@ -1,0 +1,48 @@
+"""F2, F1: the resident runner starts from code this gateway compiled when the sandbox's
+python3 reads the same bytecode (no compile on a first turn), and from its source when
+it does not. Run here with the host's python3 in place of a sandbox's."""
+
+from __future__ import annotations
+
+import marshal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+from sandbox.runner_client import RUNNER_CODE_NAME, RUNNER_NAME, runner_code, runner_loader
+
+SOURCE = (Path(__file__).parents[2] / "sandbox" / "client" / "cellgate_runner.py").read_bytes()
+
+
+def _start(bridge: Path, python: str) -> tuple[subprocess.Popen[bytes], socket.socket]:
+    sock_path = bridge / "runner.sock"
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(str(sock_path))
+    listener.listen(1)
+    listener.settimeout(20)
+    proc = subprocess.Popen([python, "-I", "-S", "-c", runner_loader(str(bridge)), str(sock_path)])
+    conn, _ = listener.accept()
+    listener.close()
+    return proc, conn
+
+
+def test_F2_runner_starts_from_its_source_when_no_code_of_this_tag_is_there(
+    tmp_path: Path,
+) -> None:
+    (tmp_path / RUNNER_NAME).write_bytes(SOURCE)
+    (tmp_path / f"{RUNNER_NAME}.cpython-00").write_bytes(b"not code")  # another Python's
+    proc, conn = _start(tmp_path, sys.executable)
+    conn.close()  # the gateway is gone: the runner ends
+    assert proc.wait(20) in (0, 1)
+
+
+def test_F2_runner_starts_from_the_precompiled_code_of_its_tag(tmp_path: Path) -> None:
+    (tmp_path / RUNNER_NAME).write_bytes(b"raise SystemExit('the source was compiled')\n")
+    marker = b"import _socket,sys\ns=_socket.socket(1,1); s.connect(sys.argv[1]); s.send(b'code')\n"
+    (tmp_path / RUNNER_CODE_NAME).write_bytes(runner_code(marker))
+    proc, conn = _start(tmp_path, sys.executable)
+    assert conn.recv(16) == b"code"
+    conn.close()
+    assert proc.wait(20) == 0
+    assert marshal.loads(runner_code(SOURCE)) is not None  # the real runner compiles
