@@ -23,7 +23,6 @@ import json
 import os
 import stat
 from dataclasses import dataclass
-from pathlib import PurePosixPath
 
 from sandbox.latebind import SLOT_TARGETS, Slot, unescape
 from sandbox.mountplan import EntryKind, MountPlan
@@ -81,9 +80,13 @@ class SandboxView:
     targets: dict[str, tuple[EntryKind, int, int] | None]
 
 
+_SLOT_BASES = tuple(str(base) for _, base in SLOT_TARGETS)
+
+
 def _under_slots(target: str) -> bool:
-    p = PurePosixPath(target)
-    return any(p == base or base in p.parents for _, base in SLOT_TARGETS)
+    """Is `target` (a normalised absolute path, as mountinfo gives) a slot dir or under one?
+    Plain string tests: this runs for every mount of the sandbox at every claim (F3)."""
+    return any(target == b or target.startswith(b + "/") for b in _SLOT_BASES)
 
 
 def view_violations(plan: MountPlan, view: SandboxView) -> list[str]:
