@@ -193,8 +193,8 @@ class SparedQuota(LoopQuota):
         with contextlib.suppress(FileExistsError):
             os.mkdir(mnt / MARKERS, 0o700)
         keep_spare_inodes(mnt, mnt / MARKERS / "spare")
-        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-        with contextlib.suppress(FileExistsError):  # a remounted spare keeps its record
+        if fresh:  # only a new image gets a record: a remounted one keeps its own, or none
+            flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
             fd = os.open(mnt / MARKERS / LIMITS, flags, 0o600)
             try:
                 os.write(fd, self._record().encode())

@@ -130,7 +130,7 @@ def test_r2_three_dirs_one_image_nosuid_nodev_noexec(quota: LoopQuota, tmp_path:
     assert image.stat().st_blocks * 512 < DISK_MB * MB // 2  # sparse
 
 
-def test_r2_a_new_image_costs_little_real_disk_and_no_background_writes(tmp_path: Path) -> None:
+def test_r2_a_new_image_costs_little_real_disk(tmp_path: Path) -> None:
     """A conversation's image at the defaults (256 MiB, 20 000 inodes) stays a hole: its
     journal is not written with zeros at mkfs (nor its inode tables after the mount, by
     the kernel's background init); a host of many conversations pays for their data."""
