@@ -40,6 +40,7 @@ from sandbox.backends.base import (
     SandboxInfo,
     SandboxNotFound,
 )
+from sandbox.backends.engine_http import EngineHTTP
 from sandbox.mountplan import EntryKind, MountPlan, identity
 from sandbox.spec import (
     DEFAULT_UID,
@@ -92,6 +93,7 @@ class DockerBackend(SandboxBackend):
         output_cap: int = OUTPUT_CAP,
     ) -> None:
         self._client = client
+        self._engine = EngineHTTP.for_client(client)
         self._output_cap = output_cap
         self._control_pool = ThreadPoolExecutor(control_concurrency, "cellgate-docker")
         self._exec_pool = ThreadPoolExecutor(exec_concurrency, "cellgate-docker-exec")
@@ -120,6 +122,8 @@ class DockerBackend(SandboxBackend):
     async def close(self) -> None:
         """Close the client and the worker threads."""
         self._client.close()
+        if self._engine is not None:
+            self._engine.close()
         self._control_pool.shutdown(wait=False, cancel_futures=True)
         self._exec_pool.shutdown(wait=False, cancel_futures=True)
 
@@ -189,7 +193,10 @@ class DockerBackend(SandboxBackend):
     def _lookup(self, name: str) -> dict[str, Any] | None:
         """The container's inspect document, or None when the engine says it does not exist."""
         try:
-            attrs: dict[str, Any] = self._client.api.inspect_container(name)
+            if self._engine is not None:  # one kept connection per thread (F3)
+                attrs: dict[str, Any] = self._engine.get_json("/containers/{}/json", name)
+            else:
+                attrs = self._client.api.inspect_container(name)
         except docker.errors.NotFound:
             return None
         return attrs

@@ -124,6 +124,26 @@ async def test_S5_remove_is_idempotent_and_list_finds_by_label(
         await backend.inspect(built.spec.name)
 
 
+async def test_F3_S4_the_lean_inspect_is_the_sdks(
+    backend: DockerBackend, shared: Built, docker_client: docker.DockerClient
+) -> None:
+    handle = await backend.ensure(shared.spec)
+    assert backend._engine is not None  # the engine of this run is on a unix socket
+    lean = await backend._call("inspect", lambda: backend._lookup(handle.name))
+    sdk = docker_client.api.inspect_container(handle.name)
+    assert lean is not None
+    for key in ("Id", "Name", "Config", "HostConfig", "Image"):
+        assert lean[key] == sdk[key], key
+
+    def by_target(doc: dict[str, Any]) -> list[Any]:  # the engine lists mounts in any order
+        return sorted(doc["Mounts"], key=lambda m: str(m["Destination"]))
+
+    assert by_target(lean) == by_target(sdk)
+    assert lean["State"]["Pid"] == sdk["State"]["Pid"]
+    missing = f"{shared.spec.name}-missing"
+    assert await backend._call("inspect", lambda: backend._lookup(missing)) is None
+
+
 def test_S1_no_engine_is_engine_unavailable(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
