@@ -85,7 +85,8 @@ class ResidentBackend(SandboxBackend):
             while len(self._runners) >= self.max_runners:
                 await self._close(next(iter(self._runners)))
             try:
-                await asyncio.to_thread(self.install, bridge_dir)
+                if cid not in self._starters:  # a claim installed it already (F1)
+                    await asyncio.to_thread(self.install, bridge_dir)
                 rs = RunnerSocket(bridge_dir, cid, self.inner._output_cap)
                 await rs.listen()
             except (OSError, CellgateError) as exc:

@@ -14,6 +14,12 @@ of a few microseconds; then `LoopQuota.ensure` finds the image mounted and
 binds its subdirs as ever (R2 unchanged: the image is one the quota code
 made, with this app's limits). `refill` makes spares up to `count`, in a
 worker thread.
+
+A take does not list the agent's directory (it also holds every conversation's
+image, mount and lock: a listing grows with the conversations, F3): the names
+of spares this process listed or made are kept, taken from the front, and the
+directory is listed again only when they run out. A kept name that is gone or
+no longer fits is skipped, as a listed one would be.
 """
 
 from __future__ import annotations
@@ -25,7 +31,8 @@ import re
 import secrets
 import threading
 import time
-from collections.abc import Sequence
+from collections import deque
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from cellgate.errors import QuotaError
@@ -76,6 +83,8 @@ class SparedQuota(LoopQuota):
     def __init__(self, quota: LoopQuota, count: int) -> None:
         super().__init__(quota.root, quota.limits)
         self.count = count
+        self._known: dict[str, deque[str]] = {}  # agent -> spare names, oldest first
+        self._known_lock = threading.Lock()
 
     def ensure(
         self,
@@ -99,13 +108,35 @@ class SparedQuota(LoopQuota):
     def _spares(self, agent: str) -> list[str]:
         try:
             with os.scandir(self.root / agent) as it:
-                return sorted(
+                names = sorted(
                     e.name
                     for e in it
                     if SPARE.fullmatch(e.name) and e.is_file(follow_symlinks=False)
                 )
         except FileNotFoundError:
-            return []
+            names = []
+        with self._known_lock:
+            self._known[agent] = deque(names)
+        return names
+
+    def _candidates(self, agent: str) -> Iterator[str]:
+        """Spare names to try, from the kept ones; the directory once they run out."""
+        listed = False
+        while True:
+            with self._known_lock:
+                known = self._known.get(agent)
+                name = known.popleft() if known else None
+            if name is not None:
+                yield name
+            elif listed:
+                return
+            else:
+                self._spares(agent)
+                listed = True
+
+    def _kept(self, agent: str, name: str) -> None:
+        with self._known_lock:
+            self._known.setdefault(agent, deque()).append(name)
 
     def _take_spare(self, agent: str, digest: str) -> bool:
         """Give the conversation a spare image, mounted where its own goes (under the lock)."""
@@ -113,11 +144,11 @@ class SparedQuota(LoopQuota):
         if image.exists():
             return False
         d = self.root / agent
-        for name in self._spares(agent):
+        for name in self._candidates(agent):
             spare = d / name
-            if not self._fits(spare):
-                continue  # made before the limits changed: the next refill drops it
             premounted = _mounted(spare, _mnt(spare))
+            if not self._fits(spare, premounted):
+                continue  # made before the limits changed: the next refill drops it
             try:
                 os.rename(spare, image)  # the loop device's backing file follows
             except FileNotFoundError:
@@ -135,14 +166,14 @@ class SparedQuota(LoopQuota):
             return True
         return False
 
-    def _fits(self, spare: Path) -> bool:
+    def _fits(self, spare: Path, mounted: bool | None = None) -> bool:
         """Was the spare made for the limits in force now? Its size says the bytes; once
         mounted, its own record says both (mkfs rounds `-N` to whole groups, so the
         image's inode count cannot be compared with the limit)."""
         try:
             if os.stat(spare, follow_symlinks=False).st_size != self.limits.bytes:
                 return False
-            if _mounted(spare, _mnt(spare)):
+            if _mounted(spare, _mnt(spare)) if mounted is None else mounted:
                 return _read_record(_mnt(spare) / MARKERS / LIMITS) == self._record()
         except OSError:
             return False
@@ -164,11 +195,11 @@ class SparedQuota(LoopQuota):
         for _ in range(count - len(self._spares(agent))):
             if stop is not None and stop.is_set():
                 break
-            self._make_spare(d)
+            self._kept(agent, self._make_spare(d))
             made += 1
         return made
 
-    def _make_spare(self, d: Path) -> None:
+    def _make_spare(self, d: Path) -> str:
         """A new image, formatted and mounted under a pending name, then named a spare."""
         token = secrets.token_hex(8)
         pending, spare = d / f"pending-{token}.img", d / f"spare-{token}.img"
@@ -176,6 +207,7 @@ class SparedQuota(LoopQuota):
         try:
             self._mount_spare(pending, _mnt(spare), fresh=True)
             os.rename(pending, spare)
+            return spare.name
         except BaseException:
             detach(str(_mnt(spare)))
             with contextlib.suppress(OSError):

@@ -186,7 +186,8 @@ class LateBinder:
             raise
 
     def _bind_one(self, slot: Slot, m: PlannedMount, i: int) -> None:
-        place = slot_path(slot, PurePosixPath(m.target))
+        root = str(slot.root)
+        place = _slot_place(root, m.target)
         fd = os.open(m.source, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC)
         try:
             st = os.fstat(fd)
@@ -195,21 +196,21 @@ class LateBinder:
                 raise LateBindError(f"{m.source} is neither a file nor a directory")
             if (kind, st.st_dev, st.st_ino) != (m.kind, m.dev, m.ino):
                 raise LateBindError(f"{m.source} is no longer the planned {m.kind.value}")
-            _mountpoint(place, kind, slot.root)
+            _mountpoint(place, kind, root)
             flags = MS_RDONLY | MS_NOSUID | MS_NODEV if m.read_only else 0
             try:
-                if attach_copy(fd, str(place), flags):  # read-only before it is attached
+                if attach_copy(fd, place, flags):  # read-only before it is attached
                     return
             except MountError as exc:
                 raise LateBindError(str(exc)) from exc
             staged = self.stage / f"{slot.id}-{i}"
-            _mountpoint(staged, kind, self.stage)
+            _mountpoint(str(staged), kind, str(self.stage))
             try:
                 _mount(f"/proc/self/fd/{fd}", str(staged), MS_BIND)
                 if m.read_only:
                     flags = MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV
                     _mount(None, str(staged), flags)
-                _mount(str(staged), str(place), MS_MOVE)
+                _mount(str(staged), place, MS_MOVE)
             except BaseException:
                 detach(str(staged))
                 raise
@@ -264,30 +265,40 @@ def detach_under(root: Path) -> None:
 
 def slot_path(slot: Slot, target: PurePosixPath) -> Path:
     """Where a sandbox path lives in the slot: under the slot dir whose target contains it."""
-    for name, base in SLOT_TARGETS:
+    return Path(_slot_place(str(slot.root), str(target)))
+
+
+_SLOT_BASES = tuple((name, str(base)) for name, base in SLOT_TARGETS)
+
+
+def _slot_place(root: str, target: str) -> str:
+    """`slot_path` on strings (F3: a claim binds ten or so mounts, pathlib costs)."""
+    for name, base in _SLOT_BASES:
         if target == base:
-            return slot.root / name
-        if base in target.parents:
-            rel = target.relative_to(base)
-            if ".." in rel.parts:
+            return f"{root}/{name}"
+        if target.startswith(base + "/"):
+            rel = target[len(base) + 1 :]
+            if any(part in ("", ".", "..") for part in rel.split("/")):
                 raise LateBindError(f"{target} climbs out of {base}")
-            return slot.root / name / rel
+            return f"{root}/{name}/{rel}"
     raise LateBindError(f"{target} is under no slot")
 
 
-def _mountpoint(place: Path, kind: EntryKind, within: Path) -> None:
+def _mountpoint(place: str, kind: EntryKind, within: str) -> None:
     """Create `place` (and its parents, as directories) inside `within`, never through a link."""
-    rel = place.relative_to(within)
+    if place == within:
+        return
+    if not place.startswith(within + "/"):
+        raise LateBindError(f"{place} is not inside {within}")
+    parts = place[len(within) + 1 :].split("/")
     cur = within
-    for part in rel.parts[:-1]:
-        cur = cur / part
+    for part in parts[:-1]:
+        cur = f"{cur}/{part}"
         try:
             os.mkdir(cur, 0o755)
         except FileExistsError:
             if not stat.S_ISDIR(os.lstat(cur).st_mode):
                 raise LateBindError(f"{cur} is in the way") from None
-    if place == within:
-        return
     try:
         if kind is EntryKind.DIR:
             os.mkdir(place, 0o755)

@@ -166,3 +166,25 @@ def test_F1_R2_a_refill_told_to_stop_makes_no_more_spares(spared: SparedQuota) -
     assert spared.refill(AGENT, 3, stop) == 0
     assert spare_mounts(spared) == []
     assert spared.refill(AGENT, 1, threading.Event()) == 1
+
+
+def test_F1_F3_R2_a_take_uses_the_spares_it_knows_and_finds_the_ones_it_does_not(
+    spared: SparedQuota, tmp_path: Path
+) -> None:
+    """Two gateways' worth of quota on one root (a restart, say): each takes what it made
+    or listed, skips a kept name another one took, and lists again only when out."""
+    spared.refill(AGENT, 2)
+    other = SparedQuota(LoopQuota(spared.root, spared.limits), 2)
+    taken = []
+    for name, q in (("a", other), ("b", spared), ("c", spared)):
+        c = conv(q, tmp_path, name)
+        c.ensure()
+        taken.append(os.stat(c.chat).st_dev)
+        assert loop_backing_file(taken[-1]) == str(q.image(AGENT, c.digest))
+    assert len(set(taken)) == 3
+    assert spare_mounts(spared) == []  # `a` took one, `b` the other, `c` was made anew
+    made = spared.refill(AGENT, 1)  # made after the last listing: known without one
+    assert made == 1
+    d = conv(spared, tmp_path, "d")
+    d.ensure()
+    assert spare_mounts(spared) == []
