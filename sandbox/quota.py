@@ -444,9 +444,20 @@ def _migrate(target: QuotaTarget, sub: Path, limits: QuotaLimits) -> None:
 
 
 def _mkdirs_nofollow(base: Path, target: Path, mode: int = 0o755) -> None:
-    current = base
-    for part in target.relative_to(base).parts:
-        current = current / part
+    """`target` and the directories between `base` and it, none of them a link (on
+    strings: three per new conversation's first turn, F3)."""
+    current, rel = str(base), str(target)
+    if rel != current:
+        prefix = current.rstrip("/") + "/"
+        if not rel.startswith(prefix):
+            raise QuotaError(f"{target} is not inside {base}")
+        rel = rel[len(prefix) :]
+    else:
+        rel = ""
+    for part in rel.split("/") if rel else ():
+        if part in ("", ".", ".."):
+            raise QuotaError(f"{target} is not a plain path inside {base}")
+        current = f"{current.rstrip('/')}/{part}"
         with contextlib.suppress(FileExistsError):
             os.mkdir(current, mode)
         if not stat.S_ISDIR(os.lstat(current).st_mode):
