@@ -23,6 +23,7 @@ import asyncio
 import collections
 import contextlib
 import dataclasses
+import functools
 import logging
 import os
 import threading
@@ -202,9 +203,13 @@ class WarmPool:
             # an earlier sandbox's runner socket in this bridge dir would take the new runner
             await self.residents.close_bridge(Path(bridge.source))
         try:
-            started = await asyncio.to_thread(self._bind_and_start, pooled, spec.plan)
+            started = await self.ops.bind_and_check(
+                pooled.spec,
+                pooled.handle,
+                spec.plan,
+                functools.partial(self._bind_and_start, pooled, spec.plan),
+            )
             self.claimed[spec.conversation] = Claimed(pooled, spec.plan)
-            await self.ops.check(pooled.spec, pooled.handle, spec.plan)
         except (CellgateError, OSError) as exc:
             logger.warning("pooled sandbox %s not claimed: %s", pooled.handle.name, exc)
             self.claimed.pop(spec.conversation, None)

@@ -26,6 +26,7 @@ from orchestrator.archive import refresh_at_spawn
 from orchestrator.bounded import LruMap
 from orchestrator.bridge import BridgeScope, BridgeServer, install_client
 from orchestrator.config import GatewaySettings
+from orchestrator.conversations import ConversationPaths
 from orchestrator.delivery import GatewayOutbox
 from orchestrator.harnesses.base import (
     HistoryEntry,
@@ -40,7 +41,7 @@ from orchestrator.placement import Placement
 from orchestrator.resident import ResidentBackend
 from orchestrator.safefs import audit_left_out
 from orchestrator.sandboxes import ConversationSandboxes
-from orchestrator.store import Conversation, ConversationId, Message, MessageId, SessionId
+from orchestrator.store import Conversation, ConversationId, Message, MessageId, SessionId, Turn
 from orchestrator.store.views import SandboxStore
 from orchestrator.transcripts import (
     append_transcript,
@@ -124,20 +125,27 @@ class TurnRunner:
 
     async def session_for(self, conv: Conversation, rt: AgentRuntime) -> SessionId:
         """The conversation's live session, or a new one."""
-        live = await asyncio.to_thread(self.store.live_sessions, conversation=conv.id)
+        return await asyncio.to_thread(self._session, conv.id, rt.config.harness.type)
+
+    def _session(self, conversation: ConversationId, harness: str) -> SessionId:
+        live = self.store.live_sessions(conversation=conversation)
         if live:
             return live[0].id
-        session = await asyncio.to_thread(self.store.open_session, conv.id, rt.config.harness.type)
-        return session.id
+        return self.store.open_session(conversation, harness).id
 
     async def run(self, conv: Conversation, message: Message) -> TurnAnswer:
         """The turn loop's turn function: answer one stored message."""
         rt = self.agents.runnable(conv.agent)
-        session_id = await self.session_for(conv, rt)
-        turn = await asyncio.to_thread(self.store.start_turn, session_id, message.id)
+
+        def begin() -> tuple[SessionId, Turn]:  # one worker-thread hop (F3)
+            session_id = self._session(conv.id, rt.config.harness.type)
+            return session_id, self.store.start_turn(session_id, message.id)
+
+        session_id, turn = await asyncio.to_thread(begin)
         ok = False
         harness_turn: str | None = None
         sandbox: list[str] = []
+        finished = False
         try:
             try:
                 result = await self.execute(rt, conv, session_id, message.text, sandbox)
@@ -147,18 +155,25 @@ class TurnRunner:
                 sandbox.clear()
                 result = await self.execute(rt, conv, session_id, message.text, sandbox)
             ok, harness_turn = result.ok, result.turn_id
-            await asyncio.to_thread(
-                self.save_turn, rt, conv, session_id, "user", message.text, message.id, result
-            )
+
+            def save_and_finish() -> None:  # one worker-thread hop (F3)
+                try:
+                    self.save_turn(rt, conv, session_id, "user", message.text, message.id, result)
+                finally:
+                    self.store.finish_turn(turn.id, ok=ok, harness_turn_id=harness_turn)
+
+            finished = True  # the job finishes the turn whatever happens to this task
+            await asyncio.to_thread(save_and_finish)
             self.outcomes.put(message.id, Outcome(sandbox[0], result, None))
             return TurnAnswer(result.ok, result.reply)
         except CellgateError as exc:
             self.outcomes.put(message.id, Outcome(sandbox[0] if sandbox else "", None, exc))
             raise
         finally:
-            await asyncio.to_thread(
-                self.store.finish_turn, turn.id, ok=ok, harness_turn_id=harness_turn
-            )
+            if not finished:
+                await asyncio.to_thread(
+                    self.store.finish_turn, turn.id, ok=ok, harness_turn_id=harness_turn
+                )
 
     async def execute(
         self,
@@ -196,18 +211,14 @@ class TurnRunner:
             isolated=rt.started_isolated,
             disabled=rt.config.disable_archive,
         )
-        system_prompt = await asyncio.to_thread(
-            self.compose, rt, paths.workspace, paths.chat_dir, conv.id, place.shown_workspace
+        system_prompt, history, resume_id = await asyncio.to_thread(
+            self.session_files, rt, paths, conv.id, place.shown_workspace
         )
-        await asyncio.to_thread(write_session_files, paths.home_dir, system_prompt)
-        d3 = audit_left_out(self.store, conv.id, "D3")
         request = TurnRequest(
             prompt=text,
             system_prompt=system_prompt,
-            history=HistoryEntry.parse_many(
-                await asyncio.to_thread(recent_history, paths.chat_dir, report=d3)
-            ),
-            resume_id=await asyncio.to_thread(load_session_id, paths.chat_dir, report=d3),
+            history=HistoryEntry.parse_many(history),
+            resume_id=resume_id,
             tools=self.bridge.handlers.definitions(scope),
         )
         ctx = SessionContext(
@@ -236,6 +247,21 @@ class TurnRunner:
                 result, messages_sent=tuple(SentMessage.of(m) for m in sent)
             )
         return result
+
+    def session_files(
+        self,
+        rt: AgentRuntime,
+        paths: ConversationPaths,
+        conv_id: ConversationId,
+        shown_workspace: PurePosixPath,
+    ) -> tuple[str, list[dict[str, str]], str | None]:
+        """The turn's host files, in one worker-thread job (F3: one hop, not four): the
+        composed system prompt (written to the session's home), recent history, resume id."""
+        system_prompt = self.compose(rt, paths.workspace, paths.chat_dir, conv_id, shown_workspace)
+        write_session_files(paths.home_dir, system_prompt)
+        d3 = audit_left_out(self.store, conv_id, "D3")
+        history = recent_history(paths.chat_dir, report=d3)
+        return system_prompt, history, load_session_id(paths.chat_dir, report=d3)
 
     async def place_in_sandbox(
         self,

@@ -213,7 +213,7 @@ class TurnLoop:
 
     async def _process(self, message: Message) -> bool:
         """Answer and deliver one message; False when its delivery must be retried later."""
-        conv = await asyncio.to_thread(self.store.get_conversation, message.conversation_id)
+        conv, existing = await asyncio.to_thread(self._lookup, message)
         if conv is None:
             logger.error("message %s has no conversation; failing it", message.id)
             await asyncio.to_thread(
@@ -224,7 +224,6 @@ class TurnLoop:
                 error="conversation missing",
             )
             return True
-        existing = await asyncio.to_thread(self.store.reply_for_message, message.id)
         if existing is not None:
             reply = existing
         else:
@@ -249,6 +248,11 @@ class TurnLoop:
             return False
         self._attempts.pop(message.id)
         return True
+
+    def _lookup(self, message: Message) -> tuple[Conversation | None, Reply | None]:
+        """The message's conversation and its reply if it has one (one thread hop, F3)."""
+        conv = self.store.get_conversation(message.conversation_id)
+        return conv, None if conv is None else self.store.reply_for_message(message.id)
 
     async def _engine_wait(self, conv: Conversation, message: Message) -> None:
         """R7: the engine is away; the message goes back in the queue and waits for it."""

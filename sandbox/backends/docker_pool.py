@@ -12,7 +12,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import shlex
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import docker
 import docker.errors
@@ -27,6 +28,8 @@ from sandbox.pool import read_view, view_violations
 from sandbox.runner_client import runner_loader
 from sandbox.spec import SandboxSpec
 from sandbox.verify import ObservedContainer, violations
+
+T = TypeVar("T")
 
 SUPPORTED_RUNTIMES = (None, "runc")
 RUNNER_ARGV = ("python3", "-I", "-S", "-c", runner_loader(str(BRIDGE)))
@@ -121,6 +124,21 @@ class DockerPoolOps:
         )
         if found:
             raise MountVerificationFailed(handle.name, found)
+
+    async def bind_and_check(
+        self, spec: SandboxSpec, handle: SandboxHandle, plan: MountPlan, bind: Callable[[], T]
+    ) -> T:
+        """A claim: `bind` (the host binds the plan into the slot), then `check` against
+        `plan`, in one control-thread job (F3: one hop, not two); what `bind` returned."""
+
+        def claim() -> tuple[T, list[str]]:
+            bound = bind()
+            return bound, self._violations(spec, handle, plan)
+
+        bound, found = await self.backend._call(f"claim {handle.name}", claim)
+        if found:
+            raise MountVerificationFailed(handle.name, found)
+        return bound
 
     def _violations(
         self, spec: SandboxSpec, handle: SandboxHandle, plan: MountPlan | None
