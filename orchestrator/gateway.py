@@ -167,7 +167,7 @@ class Gateway:
         )
         self.sandboxes.pooled = self.pools.holds  # reconcile leaves the live pools' sandboxes
         self.reloader.restarted = self.pools.restarted  # L5: pools follow their agents
-        self._started = False
+        self._starting: asyncio.Task[None] | None = None
         self._background: list[asyncio.Task[None]] = []
 
     async def _turn(self, conv: Conversation, message: Message) -> TurnAnswer:
@@ -180,10 +180,19 @@ class Gateway:
     # -- lifecycle ---------------------------------------------------------
 
     async def start(self) -> None:
-        """Recovery (D2): remove orphaned or stale sandboxes, then finish pending messages."""
-        if self._started:
-            return
-        self._started = True
+        """Recovery (D2): remove orphaned or stale sandboxes, then finish pending messages.
+
+        Once per gateway. Callers that come while it runs (the first messages of a
+        gateway started by its first `submit`) wait for it: recovery closes every open
+        turn, so a turn of theirs opened meanwhile would be closed under them. A start
+        that failed is not run again."""
+        if self._starting is None:
+            self._starting = asyncio.get_running_loop().create_task(self._start())
+            await asyncio.shield(self._starting)
+        elif not self._starting.done():
+            await asyncio.wait({self._starting})
+
+    async def _start(self) -> None:
         await self.check_runtimes()
         await self.sandboxes.reconcile()
         for channel in self.channels.values():  # W1: before recovery delivers replies

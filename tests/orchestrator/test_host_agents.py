@@ -9,6 +9,7 @@ backend is `NoEngineBackend`, and a host turn never touches it.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import os
@@ -258,3 +259,24 @@ async def test_S6_host_agent_runs_the_openai_harness_on_the_host(
     assert (chat / "note.txt").read_text() == "from the model"
     assert [m.text for m in out.result.messages_sent] == ["to-alice"]
     assert MODEL_KEY not in shell_out and CANARY not in shell_out  # K1: not in its processes
+
+
+async def test_D2_first_messages_wait_for_recovery_instead_of_losing_their_turns(
+    make: Callable[..., Gateway],
+) -> None:
+    """A gateway started by its first `submit`: messages that come while its recovery
+    runs wait for it. Recovery closes every open turn it finds (D2), so a turn that one
+    of them opened meanwhile would be closed under it and the message fail."""
+    gw = make()
+    checks = gw.check_runtimes
+
+    async def slow_checks() -> None:  # a start that takes a while, as a real one may
+        await asyncio.sleep(0.5)
+        await checks()
+
+    gw.check_runtimes = slow_checks  # type: ignore[method-assign]
+    outs = await asyncio.gather(
+        *(gw.turn(AGENT, "api", f"early-{i}", "sleep 1; echo served") for i in range(4))
+    )
+    for out in outs:
+        assert out.result.ok and out.result.reply.strip() == "served", out.result.reply
