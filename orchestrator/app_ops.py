@@ -20,6 +20,7 @@ import json
 import logging
 import shutil
 import sqlite3
+import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -50,6 +51,7 @@ logger = logging.getLogger(__name__)
 KEPT_ON_UPDATE = ("chats", "media", "memory", "MEMORY.md", "USER.md", "kb.sqlite")
 """What an update keeps of the workspace: the conversations and the agent's own memory."""
 BUILT_PREFIX = "cellgate-app-"
+REMOVAL_WAIT = 60.0  # seconds: a sandbox the running gateway is removing (F1) is gone by then
 
 
 def _quiet(line: str) -> None:
@@ -173,12 +175,30 @@ def remove_app_sandboxes(
         except docker_errors.NotFound:
             continue
         except docker_errors.APIError as exc:
-            if "already in progress" in str(exc.explanation or ""):
-                continue  # the running gateway removes it (its warm pool draining, F1)
-            raise AppError(app, f"cannot remove sandbox {name}: {exc.explanation}") from exc
+            if "already in progress" not in str(exc.explanation or ""):
+                raise AppError(app, f"cannot remove sandbox {name}: {exc.explanation}") from exc
+            # the running gateway removes it (its warm pool draining, F1): done when gone
+            if not _gone(docker, row["Id"], REMOVAL_WAIT):
+                raise AppError(
+                    app, f"sandbox {name} is still being removed after {REMOVAL_WAIT:.0f} s"
+                ) from exc
         removed.append(name)
     _forget_sandboxes(state_dir, removed)
     return removed
+
+
+def _gone(docker: Any, container_id: str, timeout: float) -> bool:
+    """Wait (bounded) for a container someone else is removing to be gone."""
+    from docker import errors as docker_errors
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            docker.api.inspect_container(container_id)
+        except docker_errors.NotFound:
+            return True
+        time.sleep(0.1)
+    return False
 
 
 def _forget_sandboxes(state_dir: Path, names: Sequence[str]) -> None:
