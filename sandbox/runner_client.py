@@ -60,6 +60,7 @@ class RunnerSocket:
         self.output_cap = output_cap
         self.connected = asyncio.Event()
         self._server: asyncio.AbstractServer | None = None
+        self._closed = False
         self._conn: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
         self._lock = asyncio.Lock()
         self._inode: tuple[int, int] | None = None
@@ -102,8 +103,8 @@ class RunnerSocket:
         return stat.S_ISSOCK(st.st_mode) and (st.st_dev, st.st_ino) == self._inode
 
     async def _on_connect(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        if self.ready:
-            writer.close()  # one runner at a time; a second caller is turned away
+        if self._closed or self.ready:
+            writer.close()  # closed, or one runner at a time: a second caller is turned away
             return
         self._conn = (reader, writer)
         self.connected.set()
@@ -126,10 +127,14 @@ class RunnerSocket:
         self.connected.clear()
 
     async def close(self) -> None:
+        self._closed = True
         self.drop()
         if self._server is not None:
             self._server.close()
             self._server = None
+            # a runner accepted just before the close: its callback runs now and ends it
+            # (else a gateway shutting down cancels it unstarted, its socket never closed)
+            await asyncio.sleep(0)
         if self.still_ours():
             with contextlib.suppress(OSError):
                 os.unlink(self.path)

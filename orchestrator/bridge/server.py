@@ -217,6 +217,10 @@ class BridgeServer:
     async def _shutdown(self, binding: _Binding) -> None:
         binding.closed = True
         binding.server.close()
+        # a connection accepted just before the close: its callback runs now, sees the
+        # bridge closed and ends it (else a gateway shutting down cancels that callback
+        # unstarted and its socket is never closed)
+        await asyncio.sleep(0)
         for writer in list(binding.writers):
             writer.transport.abort()  # every connection ends with its bridge
         for task in list(binding.tasks):
