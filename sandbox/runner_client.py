@@ -31,6 +31,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from sandbox.backends.base import ExecResult
+from sandbox.unix_listener import UnixListener
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +60,7 @@ class RunnerSocket:
         self.container_id = container_id
         self.output_cap = output_cap
         self.connected = asyncio.Event()
-        self._server: asyncio.AbstractServer | None = None
+        self._server: UnixListener | None = None
         self._closed = False
         self._conn: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
         self._lock = asyncio.Lock()
@@ -71,9 +72,8 @@ class RunnerSocket:
 
     async def listen(self) -> None:
         sock = await asyncio.to_thread(self._bind)
-        self._server = await asyncio.start_unix_server(
-            self._on_connect, sock=sock, limit=MAX_REPLY_HEADER + 1
-        )
+        self._server = UnixListener(sock, self._on_connect, limit=MAX_REPLY_HEADER + 1)
+        self._server.start()
 
     def _bind(self) -> socket.socket:
         dfd = os.open(self.bridge_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
@@ -102,7 +102,8 @@ class RunnerSocket:
             return False
         return stat.S_ISSOCK(st.st_mode) and (st.st_dev, st.st_ino) == self._inode
 
-    async def _on_connect(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    def _on_connect(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        # runs inside the protocol's connection_made (see sandbox.unix_listener)
         if self._closed or self.ready:
             writer.close()  # closed, or one runner at a time: a second caller is turned away
             return
@@ -132,9 +133,6 @@ class RunnerSocket:
         if self._server is not None:
             self._server.close()
             self._server = None
-            # a runner accepted just before the close: its callback runs now and ends it
-            # (else a gateway shutting down cancels it unstarted, its socket never closed)
-            await asyncio.sleep(0)
         if self.still_ours():
             with contextlib.suppress(OSError):
                 os.unlink(self.path)

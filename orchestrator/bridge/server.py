@@ -53,6 +53,7 @@ from cellgate.errors import BridgeError, PolicyDenied
 from orchestrator.bridge.scope import BridgeScope, ScopeState
 from orchestrator.bridge.tools import JSONObject, ToolHandlers
 from policies.bridge import Bucket, RateLimit, take_call
+from sandbox.unix_listener import UnixListener
 
 __all__ = ["SOCKET_NAME", "BridgeLimits", "BridgeServer"]
 
@@ -79,7 +80,7 @@ class BridgeLimits:
 @dataclass(slots=True)
 class _Binding:
     scope: BridgeScope
-    server: asyncio.Server
+    server: UnixListener
     path: Path
     inode: tuple[int, int]
     state: ScopeState = field(default_factory=ScopeState)
@@ -184,14 +185,22 @@ class BridgeServer:
             os.close(dfd)
         holder: dict[str, _Binding] = {}
 
-        async def on_connect(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-            await self._connection(holder["b"], reader, writer)
+        def on_connect(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            # runs inside the protocol's connection_made: every connection is known to
+            # its binding at once, and a close aborts it even if its task never started
+            binding = holder["b"]
+            if binding.closed:
+                writer.transport.abort()  # accepted just before the socket closed
+                return
+            binding.writers.add(writer)
+            task = asyncio.get_running_loop().create_task(self._connection(binding, reader, writer))
+            binding.tasks.add(task)
+            task.add_done_callback(binding.tasks.discard)
 
-        server = await asyncio.start_unix_server(
-            on_connect, sock=sock, limit=self.limits.max_request_bytes + 1
-        )
+        server = UnixListener(sock, on_connect, limit=self.limits.max_request_bytes + 1)
         binding = _Binding(scope=scope, server=server, path=path, inode=(sst.st_dev, sst.st_ino))
         holder["b"] = binding
+        server.start()
         return binding
 
     async def close(self, scope_key: str) -> None:
@@ -217,17 +226,12 @@ class BridgeServer:
     async def _shutdown(self, binding: _Binding) -> None:
         binding.closed = True
         binding.server.close()
-        # a connection accepted just before the close: its callback runs now, sees the
-        # bridge closed and ends it (else a gateway shutting down cancels that callback
-        # unstarted and its socket is never closed)
-        await asyncio.sleep(0)
         for writer in list(binding.writers):
             writer.transport.abort()  # every connection ends with its bridge
         for task in list(binding.tasks):
             task.cancel()
         if binding.tasks:
             await asyncio.gather(*binding.tasks, return_exceptions=True)
-        await binding.server.wait_closed()
         if self._still_ours(binding):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(binding.path)
@@ -240,24 +244,16 @@ class BridgeServer:
     async def _connection(
         self, binding: _Binding, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
     ) -> None:
-        task = asyncio.current_task()
-        binding.writers.add(writer)
         try:
-            if binding.closed:
-                return  # accepted just before the socket closed
             if binding.active >= self.limits.max_connections:
                 busy = _error(None, "busy", "too many connections to this bridge; retry")
                 await self._send(writer, busy)
                 return
             binding.active += 1
-            if task is not None:
-                binding.tasks.add(task)
             try:
                 await self._serve(binding, reader, writer)
             finally:
                 binding.active -= 1
-                if task is not None:
-                    binding.tasks.discard(task)
         except (ConnectionError, asyncio.IncompleteReadError):
             pass  # the client went away; nothing to answer
         except TimeoutError:  # it does not read its answers: drop what waits for it

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import os
+import socket
 import stat
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -213,6 +216,46 @@ async def test_P1_close_all_removes_every_socket(short_tmp: Path) -> None:
     held[1].close()
     await held[1].wait_closed()
     w.store.close()
+
+
+def test_R3_a_close_amid_a_flood_of_connections_leaves_none_open(short_tmp: Path) -> None:
+    """A gateway stopping while a sandbox floods its bridge with connections ends every one.
+
+    The close lands at each point of an accept in turn (0..7 loop turns after the
+    connects); then the loop stops, as a gateway's does. Every connection the server
+    accepted is closed by it (no transport left for the garbage collector: R3), and
+    every client sees its end rather than a socket held open.
+    """
+
+    async def main(root: Path, spins: int) -> list[socket.socket]:
+        w = make_world(root)
+        a = await w.open("42")
+        clients = []
+        for _ in range(12):
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.connect(str(a.socket))
+            clients.append(s)
+        for _ in range(spins):
+            await asyncio.sleep(0)
+        await w.server.close_all()
+        w.store.close()
+        return clients
+
+    for spins in range(8):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", ResourceWarning)
+            clients = asyncio.run(main(short_tmp / str(spins), spins))
+            gc.collect()
+        leaks = [str(c.message) for c in caught if "unclosed" in str(c.message)]
+        assert not leaks, f"close after {spins} loop turns left {leaks}"
+        for s in clients:
+            s.settimeout(5)
+            try:
+                assert s.recv(1) == b""
+            except ConnectionResetError:
+                pass  # never accepted: the listening socket closed under it
+            finally:
+                s.close()
 
 
 def _client(env_sock: str, *args: str, stdin: bytes = b"") -> subprocess.CompletedProcess[bytes]:
