@@ -13,13 +13,11 @@ import contextlib
 import logging
 from collections.abc import AsyncIterator, Callable
 
-from cellgate.errors import QuotaError
 from orchestrator.admission import LiveSandbox
 from orchestrator.agents import Agents
 from orchestrator.bridge import BridgeServer
 from orchestrator.config import GatewaySettings
 from orchestrator.runner import TurnRunner, conversation_key
-from orchestrator.sandboxes import ConversationSandboxes
 from orchestrator.store import ConversationId, Sandbox, Session
 from orchestrator.store.views import SandboxStore
 from orchestrator.turns import TurnLoop
@@ -152,22 +150,7 @@ class SandboxKeeper:
         for s in await self._sessions_in(sb):
             await asyncio.to_thread(self.store.end_session, s.id)
         await asyncio.to_thread(self.store.forget_sandbox, name)
-        await asyncio.to_thread(self._release_quota, sb)
         self.on_removed(sb.agent)
-
-    def _release_quota(self, sb: Sandbox) -> None:
-        """Its conversation's quota image is unmounted until its next turn (R2, R3)."""
-        rt = self.agents.get(sb.agent)
-        sandboxes = None if rt is None else rt.sandboxes
-        if not isinstance(sandboxes, ConversationSandboxes) or sandboxes.quota is None:
-            return  # no quota, or the app's one container (S6)
-        conv = self.store.get_conversation(sb.conversation_id)
-        if conv is None:
-            return
-        try:
-            sandboxes.quota.release(sandboxes.app.agent, conversation_key(conv).digest)
-        except (OSError, QuotaError) as exc:
-            logger.warning("could not release the quota mounts of %s: %s", sb.name, exc)
 
     async def live(self) -> list[LiveSandbox]:
         """This gateway's sandboxes as the store knows them, with whether a turn is in one."""

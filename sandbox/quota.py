@@ -52,7 +52,6 @@ from sandbox.mounts import (
     MS_NOSUID,
     MountError,
     bind,
-    detach,
     flags_of,
     remount_bind,
 )
@@ -537,36 +536,6 @@ class LoopQuota:
             keep_spare_inodes(mnt, markers / "spare")
             for t in targets:
                 self._bind(t, mnt, markers, dev, owner)
-
-    def release(self, agent: str, digest: str) -> int:
-        """Unmount a conversation's image and every bind of it; how many mounts went.
-
-        Called once its sandbox is gone: the host's mounts and loop devices then
-        grow with the conversations that have a sandbox, not with every stranger
-        ever seen (R3). The data stays in the image; the next `ensure` mounts it
-        again. A mount still in use is detached lazily; a mount point that is not
-        this image's is left alone.
-        """
-        agent_dir = self.agent_dir(agent, digest)
-        image, mnt = self.image(agent, digest), self.mount_dir(agent, digest)
-        with locked(agent_dir / f"{digest}.lock"):
-            try:
-                st = os.lstat(mnt)
-            except FileNotFoundError:
-                return 0
-            if st.st_dev == os.lstat(agent_dir).st_dev or loop_backing_file(st.st_dev) != str(
-                image
-            ):
-                return 0  # not mounted here, or not this image
-            gone = 0
-            # the binds (the conversation's host dirs, a pool slot's) were made after the
-            # image's own mount, so they come later in the table: undone first
-            for e in reversed([e for e in mountinfo() if e.dev == st.st_dev]):
-                if detach(e.mount_point, nofollow=True) == 0:
-                    gone += 1
-            if gone:
-                logger.info("quota (R2): released %s (%d mounts)", image, gone)
-            return gone
 
     def agent_dir(self, agent: str, digest: str) -> Path:
         """The agent's directory of images (made root-only), after checking both names."""

@@ -13,10 +13,8 @@ from cellgate.models import ConversationKey
 from orchestrator.config import load_config, write_config_document
 from orchestrator.gateway import Gateway
 from orchestrator.memory import heartbeat_conversation
-from orchestrator.sandboxes import ConversationSandboxes
 from orchestrator.store import conversation_id
 from sandbox.backends.docker import DockerBackend
-from sandbox.quota import loop_backing_file, mountinfo
 from sandbox.spec import (
     LABEL_AGENT,
     LABEL_APP,
@@ -84,35 +82,6 @@ async def test_S5_sandbox_reaped_after_idle_minutes_and_recreated_on_demand(
     # Its memory outlives the container; the next turn gets a new one.
     out = await gw.turn(AGENT, "api", "reap-me", "echo back")
     assert "back" in out.result.reply and name in _names(docker_client)
-
-
-async def test_R2_R3_a_reaped_sandbox_gives_back_its_quota_mounts_and_keeps_its_memory(
-    gateway: tuple[Gateway, Clock], docker_client: Any
-) -> None:
-    """Strangers who come once leave no mount or loop device behind once reaped."""
-    gw, clock = gateway
-    key = ConversationKey(AGENT, "api", "mounts-go")
-    out = await gw.turn(AGENT, "api", "mounts-go", f"echo kept > {_chat(key)}/MEMORY.md; echo ok")
-    assert "ok" in out.result.reply
-    sandboxes = gw.agent(AGENT).sandboxes
-    assert isinstance(sandboxes, ConversationSandboxes) and sandboxes.quota is not None
-    image = str(sandboxes.quota.image(sandboxes.app.agent, key.digest))
-
-    def mounts() -> list[str]:
-        return [e.mount_point for e in mountinfo() if loop_backing_file(e.dev) == image]
-
-    assert len(mounts()) >= 4, mounts()  # the image, its chat, media and home binds
-    name = sandbox_name(APP, key.digest, gateway=RUN_ID)
-    clock.t += 31 * 60
-    assert name in await gw.reaper().run_once()
-    assert mounts() == []
-    out = await gw.turn(AGENT, "api", "mounts-go", f"cat {_chat(key)}/MEMORY.md")
-    assert "kept" in out.result.reply
-    assert len(mounts()) >= 4
-
-
-def _chat(key: ConversationKey) -> str:
-    return f"/workspace/chats/{key.dir_name}"
 
 
 async def test_D2_start_removes_orphaned_and_stale_sandboxes(

@@ -26,7 +26,6 @@ from sandbox.quota import (
     LoopQuota,
     QuotaLimits,
     QuotaTarget,
-    loop_backing_file,
     mountinfo,
     probe,
     release_all,
@@ -194,46 +193,6 @@ def test_r2_after_an_unmount_ensure_mounts_again_and_the_data_is_there(
     assert (c.chat / "MEMORY.md").read_text() == "remember me"
     assert len(entries_at(c.chat)) == 1
     assert len(entries_at(quota.mount_dir("agent-q", c.digest))) == 1
-
-
-def test_R2_R3_release_gives_back_one_conversations_mounts_and_keeps_its_data(
-    quota: LoopQuota, tmp_path: Path
-) -> None:
-    """Its sandbox gone, a conversation holds no mount or loop device until its next turn."""
-    a, b = conv(quota, tmp_path, "a"), conv(quota, tmp_path, "b")
-    a.ensure()
-    b.ensure()
-    (a.chat / "MEMORY.md").write_text("remember me")
-    image = str(quota.image("agent-q", a.digest))
-
-    def of_a() -> list[str]:
-        return [e.mount_point for e in mountinfo() if loop_backing_file(e.dev) == image]
-
-    assert len(of_a()) == 4  # the image, and its chat, media and home binds
-    assert quota.release("agent-q", a.digest) == 4
-    assert of_a() == [] and not (a.chat / "MEMORY.md").exists()
-    # the loop device went with its last mount (autoclear): nothing left attached
-    assert not any(
-        p.read_text().strip() == image for p in Path("/sys/block").glob("loop*/loop/backing_file")
-    )
-    assert len(entries_at(b.chat)) == 1  # the neighbour keeps its own
-    assert quota.release("agent-q", a.digest) == 0  # again: nothing to do
-    a.ensure()
-    assert (a.chat / "MEMORY.md").read_text() == "remember me"
-    assert len(of_a()) == 4
-
-
-def test_R2_release_leaves_a_mount_point_that_is_not_the_image_alone(
-    quota: LoopQuota, tmp_path: Path
-) -> None:
-    a = conv(quota, tmp_path, "a")
-    mnt = quota.mount_dir("agent-q", a.digest)
-    quota.agent_dir("agent-q", a.digest)
-    mnt.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)], check=True)
-    assert quota.release("agent-q", a.digest) == 0
-    assert entries_at(mnt), "a foreign mount was taken down"
-    assert quota.release("agent-q", "0000000000000000") == 0  # never mounted
 
 
 def test_r2_pre_quota_data_is_copied_in_once_without_following_anything(
