@@ -95,7 +95,16 @@ class UnixListener:
             task.add_done_callback(self._forget)
 
     def _forget(self, task: asyncio.Task[None]) -> None:
-        self._unowned.pop(task, None)
+        conn = self._unowned.pop(task, None)
+        if conn is not None:  # cancelled before its first step (not by close): still ours
+            conn.close()
+
+    def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            self._on_connect(reader, writer)
+        except Exception:  # inside connection_made: nobody else would end this connection
+            logger.exception("connection on %s refused: its handler failed", self)
+            writer.transport.abort()
 
     async def _wrap(self, conn: socket.socket) -> None:
         task = asyncio.current_task()
@@ -103,7 +112,7 @@ class UnixListener:
         self._unowned.pop(task, None)  # type: ignore[arg-type]
         loop = asyncio.get_running_loop()
         reader = asyncio.StreamReader(limit=self._limit, loop=loop)
-        protocol = asyncio.StreamReaderProtocol(reader, self._on_connect, loop=loop)
+        protocol = asyncio.StreamReaderProtocol(reader, self._serve, loop=loop)
         try:
             await loop.connect_accepted_socket(lambda: protocol, conn)
         except asyncio.CancelledError:

@@ -11,7 +11,7 @@ import sys
 import tempfile
 import textwrap
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -159,3 +159,69 @@ def test_R3_running_out_of_descriptors_pauses_accepting_and_recovers(short_tmp: 
     )
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
     assert "cannot accept" in done.stderr
+
+
+def _no_unclosed(run: Callable[[], object]) -> None:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", ResourceWarning)
+        run()
+        gc.collect()
+    leaks = [str(c.message) for c in caught if "unclosed" in str(c.message)]
+    assert not leaks, leaks
+
+
+def test_R3_an_accept_whose_task_is_cancelled_by_another_leaves_no_socket_open(
+    short_tmp: Path,
+) -> None:
+    """A wrapping task cancelled before its first step (asyncio.run's final sweep, an
+    owner's cancel) and not by the listener's close: the accepted socket is closed."""
+    path = short_tmp / "s.sock"
+    clients: list[socket.socket] = []
+
+    async def main() -> None:
+        listener = UnixListener(_bound(path), lambda _r, w: w.transport.abort(), limit=1024)
+        listener.start()
+        clients.append(socket.socket(socket.AF_UNIX, socket.SOCK_STREAM))
+        clients[0].connect(str(path))
+        for _ in range(50):  # until the accept made its wrapping task, not yet started
+            await asyncio.sleep(0)
+            if listener._unowned:
+                break
+        assert listener._unowned, "no accept happened"
+        for task in list(listener._unowned):
+            task.cancel()
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
+        listener.close()
+
+    try:
+        _no_unclosed(lambda: asyncio.run(main()))
+    finally:
+        for c in clients:
+            c.close()
+
+
+def test_R3_a_handler_that_fails_ends_its_connection(short_tmp: Path) -> None:
+    """`on_connect` raising inside connection_made: the peer sees the connection end
+    and no transport is left to the collector."""
+    path = short_tmp / "s.sock"
+
+    def on_connect(_reader: asyncio.StreamReader, _writer: asyncio.StreamWriter) -> None:
+        raise RuntimeError("handler bug")
+
+    async def main() -> bytes:
+        listener = UnixListener(_bound(path), on_connect, limit=1024)
+        listener.start()
+        try:
+            reader, writer = await asyncio.open_unix_connection(str(path))
+            try:
+                return await asyncio.wait_for(reader.read(), 5)  # b"" once the gateway ends it
+            finally:
+                writer.close()
+                await writer.wait_closed()
+        finally:
+            listener.close()
+
+    got: list[bytes] = []
+    _no_unclosed(lambda: got.append(asyncio.run(main())))
+    assert got == [b""]
