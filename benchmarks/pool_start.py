@@ -251,6 +251,7 @@ async def _burst(gateway: Gateway, agent: str, chats: list[str]) -> tuple[list[f
 
 def burst(b: Bench, n: int, pooled: bool) -> tuple[list[float], list[float], int]:
     chats = [b.run.new_chat("burst") for _ in range(n)]
+    before = {s.name for s in b.service.call(b.gateway.sandboxes.live())}
     if pooled:
         b.set_pool(n)
         b.wait_pool(n)
@@ -258,7 +259,7 @@ def burst(b: Bench, n: int, pooled: bool) -> tuple[list[float], list[float], int
     else:
         lat, lags = b.without_pool(lambda: b.service.call(_burst(b.gateway, b.run.agent, chats)))
     names = [s.name for s in b.service.call(b.gateway.sandboxes.live())]
-    from_pool = sum(1 for s in names if "-agent-p-" in s)
+    from_pool = sum(1 for s in names if "-agent-p-" in s and s not in before)  # the burst's own
     b.set_pool(4)
     for name in names:
         b.remove(name)
@@ -311,7 +312,7 @@ def main() -> None:
         b = Bench(run)
         try:
             times = trials(b, args.trials, args.seed)
-            mem = memory(b, 8)
+            mem = memory(b, min(8, args.burst))  # the pool holds at most --burst
             lat, lags, from_pool = burst(b, args.burst, pooled=True)
             cold_lat: list[float] = []
             if not args.no_cold_burst:
