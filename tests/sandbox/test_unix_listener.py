@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import gc
 import shutil
 import socket
@@ -13,10 +14,13 @@ import textwrap
 import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TypeVar
 
 import pytest
 
 from sandbox.unix_listener import UnixListener
+
+T = TypeVar("T")
 
 
 @pytest.fixture
@@ -33,6 +37,15 @@ def _bound(path: Path) -> socket.socket:
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.bind(str(path))
     return sock
+
+
+def _leaks(run: Callable[[], T]) -> tuple[T, list[str]]:
+    """`run()`'s result, and the "unclosed ..." ResourceWarnings it left to the collector."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", ResourceWarning)
+        result = run()
+        gc.collect()
+    return result, [str(c.message) for c in caught if "unclosed" in str(c.message)]
 
 
 async def test_R3_connections_are_served_as_streams(short_tmp: Path) -> None:
@@ -88,11 +101,9 @@ def test_R3_a_close_at_any_point_of_an_accept_leaves_no_socket_open(short_tmp: P
 
     for spins in range(8):
         handed.clear()
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always", ResourceWarning)
-            clients = asyncio.run(main(short_tmp / f"{spins}.sock", spins))
-            gc.collect()
-        leaks = [str(c.message) for c in caught if "unclosed" in str(c.message)]
+        clients, leaks = _leaks(
+            functools.partial(asyncio.run, main(short_tmp / f"{spins}.sock", spins))
+        )
         assert not leaks, f"close after {spins} loop turns left {leaks}"
         for c in clients:
             c.settimeout(5)
@@ -161,15 +172,6 @@ def test_R3_running_out_of_descriptors_pauses_accepting_and_recovers(short_tmp: 
     assert "cannot accept" in done.stderr
 
 
-def _no_unclosed(run: Callable[[], object]) -> None:
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always", ResourceWarning)
-        run()
-        gc.collect()
-    leaks = [str(c.message) for c in caught if "unclosed" in str(c.message)]
-    assert not leaks, leaks
-
-
 def test_R3_an_accept_whose_task_is_cancelled_by_another_leaves_no_socket_open(
     short_tmp: Path,
 ) -> None:
@@ -195,7 +197,8 @@ def test_R3_an_accept_whose_task_is_cancelled_by_another_leaves_no_socket_open(
         listener.close()
 
     try:
-        _no_unclosed(lambda: asyncio.run(main()))
+        _, leaks = _leaks(lambda: asyncio.run(main()))
+        assert not leaks, leaks
     finally:
         for c in clients:
             c.close()
@@ -222,6 +225,5 @@ def test_R3_a_handler_that_fails_ends_its_connection(short_tmp: Path) -> None:
         finally:
             listener.close()
 
-    got: list[bytes] = []
-    _no_unclosed(lambda: got.append(asyncio.run(main())))
-    assert got == [b""]
+    got, leaks = _leaks(lambda: asyncio.run(main()))
+    assert got == b"" and not leaks, leaks
