@@ -21,7 +21,7 @@ from orchestrator.runner import TurnRunner, conversation_key
 from orchestrator.store import ConversationId, Sandbox, Session
 from orchestrator.store.views import SandboxStore
 from orchestrator.turns import TurnLoop
-from sandbox.backends.base import SandboxBackend
+from sandbox.backends.base import SandboxBackend, SandboxInfo
 from sandbox.reaper import Reaper
 from sandbox.spec import (
     LABEL_APP,
@@ -132,12 +132,22 @@ class SandboxKeeper:
         return self._turn_in(sb, await self._sessions_in(sb), own=False)
 
     @contextlib.asynccontextmanager
-    async def _guard(self, name: str) -> AsyncIterator[None]:
-        sb = await asyncio.to_thread(self.store.get_sandbox, name)
-        if sb is None:
+    async def _guard(
+        self, info: SandboxInfo, holding: ConversationId | None = None
+    ) -> AsyncIterator[None]:
+        """Holds the lock of the conversation `info` serves (the store's row, else the
+        container's label: a sandbox a starting turn made before its row was written),
+        unless it is `holding`'s, which the caller holds already."""
+        sb = await asyncio.to_thread(self.store.get_sandbox, info.name)
+        conv = (
+            sb.conversation_id
+            if sb is not None
+            else ConversationId(info.labels.get(LABEL_CONVERSATION, ""))
+        )
+        if not conv or conv == holding:
             yield
             return
-        async with self.loop.conversation_lock(sb.conversation_id):
+        async with self.loop.conversation_lock(conv):
             yield
 
     async def removed(self, name: str) -> None:
@@ -206,5 +216,8 @@ class SandboxKeeper:
                 await self.backend.remove(sb.name)
                 await self.removed(sb.name)
             removed.append(sb.name)
-        removed += await self.reaper().remove_app(app)  # labelled ones the store forgot
+        # labelled ones the store forgot, or a turn started meanwhile (under its lock)
+        removed += await self.reaper().remove_app(
+            app, guard=lambda info: self._guard(info, holding)
+        )
         return removed

@@ -31,7 +31,7 @@ DEFAULT_IDLE_MINUTES = 30.0
 
 LastActive = Callable[[str], float | Awaitable[float | None] | None]
 Busy = Callable[[str], bool | Awaitable[bool]]
-Guard = Callable[[str], AbstractAsyncContextManager[object]]
+Guard = Callable[[SandboxInfo], AbstractAsyncContextManager[object]]
 Scope = Callable[[SandboxInfo], bool]
 Removed = Callable[[str], Awaitable[None]]
 
@@ -42,7 +42,7 @@ async def _resolve(value: T | Awaitable[T]) -> T:
     return value
 
 
-def _no_guard(name: str) -> AbstractAsyncContextManager[object]:
+def _no_guard(info: SandboxInfo) -> AbstractAsyncContextManager[object]:
     return contextlib.nullcontext()
 
 
@@ -59,9 +59,10 @@ class Reaper:
 
     `last_active(name)` is the time (as `now()` reports it) the sandbox's last
     session ended, or None when unknown: then the reaper counts from when it
-    first saw the sandbox, so an orphan is still removed eventually. `guard(name)`
-    is held around the final check and the removal (the caller's per-conversation
-    lock), so a session cannot start in a sandbox that is being removed.
+    first saw the sandbox, so an orphan is still removed eventually. `guard(info)`
+    is held around the final check and the removal, and around each removal of
+    `remove_app` (the caller's per-conversation lock), so a session cannot start
+    in a sandbox that is being removed.
 
     `gateway_id` is required (R1): the reaper lists only containers labelled with
     it, so it never touches another gateway's sandboxes on the same engine;
@@ -104,7 +105,7 @@ class Reaper:
         removed: list[str] = []
         for info in infos:
             first = self._first_seen.setdefault(info.name, now)
-            if await self._reap_if_idle(info.name, first, now):
+            if await self._reap_if_idle(info, first, now):
                 removed.append(info.name)
                 self._first_seen.pop(info.name, None)
         return removed
@@ -116,10 +117,11 @@ class Reaper:
         since = first_seen if last is None else last
         return now - since >= self._idle_seconds
 
-    async def _reap_if_idle(self, name: str, first_seen: float, now: float) -> bool:
+    async def _reap_if_idle(self, info: SandboxInfo, first_seen: float, now: float) -> bool:
+        name = info.name
         if not await self._idle(name, first_seen, now):
             return False
-        async with self._guard(name):
+        async with self._guard(info):
             if not await self._idle(name, first_seen, self._now()):
                 return False
             logger.info("removing idle sandbox %s", name)
@@ -127,13 +129,17 @@ class Reaper:
             await self._on_removed(name)
         return True
 
-    async def remove_app(self, app: str) -> list[str]:
-        """Remove this gateway's sandboxes of `app`, busy or not (S5: updated or uninstalled)."""
+    async def remove_app(self, app: str, guard: Guard | None = None) -> list[str]:
+        """Remove this gateway's sandboxes of `app`, busy or not (S5: updated or uninstalled).
+
+        Each removal holds `guard` (default: the reaper's), so a turn that is
+        starting in one waits for it to be gone and then starts a fresh one."""
         infos = await self._backend.list({**self._labels, LABEL_APP: app})
         for info in infos:
-            logger.info("removing sandbox %s of app %s", info.name, app)
-            await self._backend.remove(info.name)
-            await self._on_removed(info.name)
+            async with (guard or self._guard)(info):
+                logger.info("removing sandbox %s of app %s", info.name, app)
+                await self._backend.remove(info.name)
+                await self._on_removed(info.name)
             self._first_seen.pop(info.name, None)
         return [i.name for i in infos]
 

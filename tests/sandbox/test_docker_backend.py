@@ -7,7 +7,7 @@ import contextlib
 import os
 import subprocess
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +17,7 @@ import docker.types
 import pytest
 
 from cellgate.errors import EngineUnavailable, ImageError, MountVerificationFailed
-from sandbox.backends.base import SandboxHandle, SandboxNotFound
+from sandbox.backends.base import SandboxHandle, SandboxInfo, SandboxNotFound
 from sandbox.backends.docker import OUTPUT_CAP, DockerBackend, create_kwargs
 from sandbox.reaper import Reaper
 from sandbox.spec import LABEL_APP, LABEL_GATEWAY, LABEL_MANAGED, LABEL_SPEC_HASH, SandboxLimits
@@ -538,6 +538,52 @@ async def test_S5_R1_reaper_remove_app_removes_only_that_app_of_this_gateway(
         assert [i.name for i in await backend.list({LABEL_APP: other})] == [f"{other}-agent-c-1"]
     finally:
         remove_app_containers(docker_client, other)
+
+
+async def test_S5_reaper_remove_app_holds_each_sandbox_guard_around_its_removal(
+    backend: DockerBackend, docker_client: docker.DockerClient, base_image: str, app_name: str
+) -> None:
+    """An app's removal (L5 restart, update) takes each sandbox's guard, the caller's
+    conversation lock, so a turn starting in one waits for it to go instead of
+    having its bridge closed under it (on_removed)."""
+    names = [f"{app_name}-agent-c-1", f"{app_name}-agent-c-2"]
+    for n in names:
+        _plain_sandbox(docker_client, n, app_name, base_image)
+    held: list[str] = []
+    seen: list[tuple[str, bool, list[str]]] = []
+
+    @contextlib.asynccontextmanager
+    async def guard(info: SandboxInfo) -> AsyncIterator[None]:
+        held.append(info.name)
+        try:
+            yield
+        finally:
+            held.remove(info.name)
+
+    async def on_removed(name: str) -> None:
+        seen.append((name, _exists(docker_client, name), list(held)))
+
+    reaper = Reaper(
+        backend,
+        gateway_id=RUN_ID,
+        last_active=lambda n: None,
+        busy=lambda n: True,
+        guard=guard,
+        on_removed=on_removed,
+    )
+    assert sorted(await reaper.remove_app(app_name)) == names
+    assert sorted(seen) == [(n, False, [n]) for n in names]
+    # a caller's own guard (the keeper's, skipping the conversation it holds) wins
+    _plain_sandbox(docker_client, names[0], app_name, base_image)
+    own: list[str] = []
+
+    @contextlib.asynccontextmanager
+    async def other(info: SandboxInfo) -> AsyncIterator[None]:
+        own.append(info.name)
+        yield
+
+    assert await reaper.remove_app(app_name, guard=other) == [names[0]]
+    assert own == [names[0]] and not held
 
 
 async def test_S5_reaper_run_forever_keeps_going(
