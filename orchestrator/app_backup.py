@@ -18,6 +18,8 @@ paths, `..` and anything past the size bounds, before anything is moved in.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import io
 import json
 import logging
@@ -29,11 +31,12 @@ import sqlite3
 import stat
 import tarfile
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import IO, Any
 
-from cellgate.errors import AppError
+from cellgate.errors import AppError, QuotaError
 from orchestrator.apps import (
     InstalledApp,
     agent_entry,
@@ -47,6 +50,7 @@ from orchestrator.config import AGENT_ID_RE
 from orchestrator.store.db import DB_FILE, Database
 from policies.archive import ArchiveLimits, MemberFacts, member_allowed
 from sandbox.images import Progress, image_exists
+from sandbox.quota import LoopQuota, QuotaLimits
 
 logger = logging.getLogger(__name__)
 
@@ -86,11 +90,25 @@ class _Exact(io.RawIOBase):
         return len(data)
 
 
+Held = Callable[[], AbstractContextManager[object]]
+
+
 class _Walker:
-    def __init__(self, tar: tarfile.TarFile, progress: Progress, limits: ArchiveLimits) -> None:
+    """`held` maps a directory's arcname to what must be held while it is opened: a
+    conversation's quota image (R2), mounted for the open if it is not (an open
+    descriptor keeps reading it after)."""
+
+    def __init__(
+        self,
+        tar: tarfile.TarFile,
+        progress: Progress,
+        limits: ArchiveLimits,
+        held: Mapping[str, Held] | None = None,
+    ) -> None:
         self.tar = tar
         self.progress = progress
         self.limits = limits
+        self.held = held or {}
         self.files = 0
         self.bytes = 0
         self.left_out: list[str] = []
@@ -123,11 +141,15 @@ class _Walker:
             est = entry.stat(follow_symlinks=False)
             if stat.S_ISDIR(est.st_mode):
                 try:
-                    fd = os.open(
-                        entry.name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=dir_fd
-                    )
+                    with self.held.get(name, contextlib.nullcontext)():
+                        fd = os.open(
+                            entry.name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=dir_fd
+                        )
                 except OSError as exc:
                     self.left_out.append(f"{name}/ ({exc.strerror})")
+                    continue
+                except QuotaError as exc:
+                    self.left_out.append(f"{name}/ (its quota image: {exc.reason})")
                     continue
                 try:
                     self.add_tree(fd, name, depth + 1)
@@ -188,6 +210,24 @@ def _add_bytes(tar: tarfile.TarFile, arcname: str, data: bytes) -> None:
     tar.addfile(info, io.BytesIO(data))
 
 
+def _quota_holds(state_dir: Path, app: InstalledApp) -> dict[str, Held]:
+    """The arcnames of the conversations' dirs that are their quota images' binds (R2):
+    after a reboot, or once a sandbox is gone, the image is not mounted there."""
+    root = state_dir / "quota"
+    if not (root / app.agent).is_dir():
+        return {}
+    # only binds an image for this backup's own reading: nosuid, nodev, noexec
+    quota = LoopQuota(root, QuotaLimits(bytes=0, inodes=0))
+    bases = (app.workspace, app.agent_root)
+    ws = os.path.realpath(app.workspace)
+    out: dict[str, Held] = {}
+    for digest, t in quota.noted(app.agent, bases):
+        if os.path.realpath(t.base) == ws:
+            rel = os.path.relpath(t.path, t.base)
+            out[f"workspace/{rel}"] = functools.partial(quota.held, app.agent, digest, bases)
+    return out
+
+
 def _open_dir(path: Path) -> int:
     return os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
 
@@ -225,7 +265,7 @@ def backup_app(
     try:
         with os.fdopen(fd, "wb") as raw, tarfile.open(fileobj=raw, mode="w:gz") as tar:
             _add_bytes(tar, MANIFEST, json.dumps(meta, indent=2).encode())
-            walker = _Walker(tar, progress, limits)
+            walker = _Walker(tar, progress, limits, _quota_holds(state_dir, app))
             for arc, path in (("app", record_dir), ("workspace", app.workspace)):
                 top = _open_dir(path)
                 try:

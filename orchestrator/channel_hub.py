@@ -24,7 +24,7 @@ from pathlib import Path
 
 from pydantic import SecretStr
 
-from cellgate.errors import ConfigError, StateConflict
+from cellgate.errors import ConfigError, QuotaError, StateConflict
 from cellgate.models import ConversationKey, InboundMessage, OutboundMessage
 from channels.base import Channel, ChannelFailed, ChatBlocked
 from channels.discord import DiscordChannel, DiscordOptions
@@ -33,6 +33,7 @@ from channels.telegram import RESET_TEXT, TYPING_EVERY, TelegramChannel, Telegra
 from orchestrator.agents import Agents
 from orchestrator.config import DiscordSettings, GatewayConfig, LineSettings, TelegramSettings
 from orchestrator.intake import Intake
+from orchestrator.sandboxes import memory_held
 from orchestrator.store import MessageId, MessageState, Store
 from orchestrator.transcripts import save_session_id
 from orchestrator.turns import TurnLoop
@@ -265,8 +266,15 @@ class ChannelInbox:
             rt = self.agents.get(key.agent)
             if rt is not None and rt.workspace is not None:
                 chat_dir = rt.workspace / "chats" / key.dir_name
-                with contextlib.suppress(OSError):
-                    await asyncio.to_thread(save_session_id, chat_dir, "", None)
+
+                def forget() -> None:  # in its quota image (R2), mounted or not
+                    with memory_held(rt.sandboxes, key):
+                        save_session_id(chat_dir, "", None)
+
+                try:
+                    await asyncio.to_thread(forget)
+                except (OSError, QuotaError) as exc:
+                    logger.warning("reset of %s could not clear the session id: %s", conv.id, exc)
         channel = self.channels.get((key.agent, key.channel))
         if channel is not None:
             await channel.send(

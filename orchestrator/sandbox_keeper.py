@@ -13,11 +13,13 @@ import contextlib
 import logging
 from collections.abc import AsyncIterator, Callable
 
+from cellgate.errors import QuotaError
 from orchestrator.admission import LiveSandbox
 from orchestrator.agents import Agents
 from orchestrator.bridge import BridgeServer
 from orchestrator.config import GatewaySettings
 from orchestrator.runner import TurnRunner, conversation_key
+from orchestrator.sandboxes import ConversationSandboxes
 from orchestrator.store import ConversationId, Sandbox, Session
 from orchestrator.store.views import SandboxStore
 from orchestrator.turns import TurnLoop
@@ -86,6 +88,8 @@ class SandboxKeeper:
                 logger.info("removing sandbox %s (no conversation or stale spec)", info.name)
                 await self.backend.remove(info.name)
                 await asyncio.to_thread(self.store.forget_sandbox, info.name)
+                if conv is not None:  # spec_for above mounted its image
+                    await asyncio.to_thread(self._release_quota, info.name, conv.agent, conv.id)
                 removed += 1
         return removed
 
@@ -160,7 +164,23 @@ class SandboxKeeper:
         for s in await self._sessions_in(sb):
             await asyncio.to_thread(self.store.end_session, s.id)
         await asyncio.to_thread(self.store.forget_sandbox, name)
+        await asyncio.to_thread(self._release_quota, name, sb.agent, sb.conversation_id)
         self.on_removed(sb.agent)
+
+    def _release_quota(self, name: str, agent: str, conversation: ConversationId) -> None:
+        """Sandbox `name` is gone: its conversation's quota image is unmounted until it is
+        needed again (R2, R3)."""
+        rt = self.agents.get(agent)
+        sandboxes = None if rt is None else rt.sandboxes
+        if not isinstance(sandboxes, ConversationSandboxes):
+            return  # a host agent, or the app's one container (S6)
+        conv = self.store.get_conversation(conversation)
+        if conv is None:
+            return
+        try:
+            sandboxes.release_memory(conversation_key(conv))
+        except (OSError, QuotaError) as exc:
+            logger.warning("could not release the quota mounts of %s: %s", name, exc)
 
     async def live(self) -> list[LiveSandbox]:
         """This gateway's sandboxes as the store knows them, with whether a turn is in one."""

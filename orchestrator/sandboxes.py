@@ -9,8 +9,10 @@ container matching it, verified.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Mapping
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
@@ -198,3 +200,24 @@ class ConversationSandboxes:
             handle = await self.backend.ensure(spec)
         logger.debug("sandbox %s ready", handle.name, extra={"conversation": key.digest})
         return PreparedSandbox(spec, paths, handle)
+
+    def memory_held(self, key: ConversationKey) -> AbstractContextManager[object]:
+        """R2: while held, the conversation's quota image is on its host dirs
+        (`LoopQuota.held`); for what reads or writes them outside a turn. Blocking."""
+        if self.quota is None:
+            return contextlib.nullcontext()
+        bases = (self.app.workspace, self.app.agent_root)
+        return self.quota.held(self.app.agent, key.digest, bases)
+
+    def release_memory(self, key: ConversationKey) -> None:
+        """R2, R3: its sandbox is gone; the image is unmounted until it is needed. Blocking."""
+        if self.quota is not None:
+            self.quota.release(self.app.agent, key.digest)
+
+
+def memory_held(sandboxes: object, key: ConversationKey) -> AbstractContextManager[object]:
+    """`ConversationSandboxes.memory_held` for any agent's sandboxes: a host agent's or the
+    app's one container's (S6) conversations have no image of their own (a no-op)."""
+    if isinstance(sandboxes, ConversationSandboxes):
+        return sandboxes.memory_held(key)
+    return contextlib.nullcontext()

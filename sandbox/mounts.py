@@ -28,6 +28,7 @@ MS_REC = 0x4000
 MS_PRIVATE = 1 << 18
 MS_SHARED = 1 << 20
 MNT_DETACH = 0x2
+UMOUNT_NOFOLLOW = 0x8
 
 _libc: ctypes.CDLL | None = None
 
@@ -51,9 +52,12 @@ def mount(source: str | None, target: str, flags: int) -> None:
         raise MountError(f"mount {source} -> {target}: {os.strerror(err)}")
 
 
-def detach(target: str) -> int:
-    """`umount2(target, MNT_DETACH)`: 0, or the errno (the caller decides if it matters)."""
-    if _lib().umount2(target.encode(), MNT_DETACH) != 0:
+def detach(target: str, *, nofollow: bool = False) -> int:
+    """`umount2(target, MNT_DETACH)`: 0, or the errno (the caller decides if it matters).
+
+    `nofollow`: a symlink at `target`'s last component is not followed (EINVAL)."""
+    flags = MNT_DETACH | (UMOUNT_NOFOLLOW if nofollow else 0)
+    if _lib().umount2(target.encode(), flags) != 0:
         return ctypes.get_errno()
     return 0
 

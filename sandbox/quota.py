@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import json
 import logging
 import os
 import re
@@ -52,6 +53,7 @@ from sandbox.mounts import (
     MS_NOSUID,
     MountError,
     bind,
+    detach,
     flags_of,
     remount_bind,
 )
@@ -64,6 +66,7 @@ MARKERS = ".cellgate"
 MAX_DEPTH = 64
 SPARE_INODES = 16  # held back for the gateway's own files (CLAUDE.md, transcript)
 FIXED_TARGETS = ("chat", "home")
+MAX_NOTED = 256  # binds noted per conversation (its chat, home, a media dir per session)
 
 
 @dataclass(frozen=True, slots=True)
@@ -536,6 +539,151 @@ class LoopQuota:
             keep_spare_inodes(mnt, markers / "spare")
             for t in targets:
                 self._bind(t, mnt, markers, dev, owner)
+            self._note_binds(agent, digest, targets)
+
+    @contextlib.contextmanager
+    def held(self, agent: str, digest: str, bases: Sequence[Path]) -> Iterator[bool]:
+        """While held, the conversation's image is on every host dir it was bound to
+        (under a base in `bases`) and no `ensure` or `release` of it runs.
+
+        For a reader or writer outside a turn (a backup, the media API, `/reset`):
+        after a reboot, or once its sandbox is gone, a conversation's image is not
+        mounted and its host dirs are the empty directories under the mount points.
+        An image that was not mounted is mounted for the hold only and released
+        after it; a descriptor opened inside keeps working after. An image that
+        was is left exactly as it is (its sandbox may be running). False when the
+        conversation has no image (its dirs are plain directories)."""
+        agent_dir = self.agent_dir(agent, digest)
+        image, mnt = self.image(agent, digest), self.mount_dir(agent, digest)
+        with locked(agent_dir / f"{digest}.lock"):
+            if not image.exists():
+                yield False
+                return
+            if self._mounted_dev(image, mnt) is not None:
+                yield True
+                return
+            dev = self._mount(image, mnt)
+            try:
+                for t in self._noted_binds(agent, digest, bases):
+                    self._bind(t, mnt, mnt / MARKERS, dev, None)
+                yield True
+            finally:
+                self._release(dev)
+
+    def release(self, agent: str, digest: str) -> int:
+        """Unmount a conversation's image and every bind of it; how many mounts went.
+
+        Called once its sandbox is gone: the host's mounts and loop devices then
+        grow with the conversations that have a sandbox, not with every stranger
+        ever seen (R3). The data stays in the image; the next `ensure` (or `held`)
+        mounts it again. A mount still in use is detached lazily; a mount point
+        that is not this image's is left alone.
+        """
+        agent_dir = self.agent_dir(agent, digest)
+        image, mnt = self.image(agent, digest), self.mount_dir(agent, digest)
+        with locked(agent_dir / f"{digest}.lock"):
+            dev = self._mounted_dev(image, mnt)
+            return 0 if dev is None else self._release(dev)
+
+    def _mounted_dev(self, image: Path, mnt: Path) -> int | None:
+        """The device of `image` when it is what is mounted at `mnt`, else None."""
+        try:
+            st = os.lstat(mnt)
+        except FileNotFoundError:
+            return None
+        if st.st_dev == os.lstat(mnt.parent).st_dev or loop_backing_file(st.st_dev) != str(image):
+            return None
+        return st.st_dev
+
+    def _release(self, dev: int) -> int:
+        gone = 0
+        # the binds (the conversation's host dirs, a pool slot's) were made after the
+        # image's own mount, so they come later in the table: undone first
+        for e in reversed([e for e in mountinfo() if e.dev == dev]):
+            if detach(e.mount_point, nofollow=True) == 0:
+                gone += 1
+        if gone:
+            logger.info("quota (R2): released %s (%d mounts)", loop_backing_file(dev), gone)
+        return gone
+
+    # Where each subdir of an image was bound, beside the image (`<digest>.binds`, in
+    # the root-only agent dir, never inside a sandbox's reach): `held` binds them again
+    # for a reader. A conversation gets a media dir per API session: the newest
+    # MAX_NOTED are kept.
+
+    def _binds_file(self, agent: str, digest: str) -> Path:
+        return self.root / agent / f"{digest}.binds"
+
+    def _read_binds(self, agent: str, digest: str) -> dict[str, list[str]]:
+        try:
+            fd = os.open(
+                self._binds_file(agent, digest), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
+            )
+        except FileNotFoundError:
+            return {}
+        try:
+            raw = os.read(fd, MAX_NOTED * 8192)
+        finally:
+            os.close(fd)
+        try:
+            data = json.loads(raw)
+        except ValueError:
+            logger.warning("quota (R2): %s is not JSON; noted again at the next turn",
+                           self._binds_file(agent, digest))  # fmt: skip
+            return {}
+        if not isinstance(data, dict):
+            return {}
+        return {
+            k: v
+            for k, v in data.items()
+            if isinstance(k, str) and isinstance(v, list) and all(isinstance(x, str) for x in v)
+        }
+
+    def _note_binds(self, agent: str, digest: str, targets: Sequence[QuotaTarget]) -> None:
+        """Under the conversation's lock; written only when something is new."""
+        noted = self._read_binds(agent, digest)
+        want = {t.name: [str(t.base), str(t.path)] for t in targets}
+        if all(noted.get(k) == v for k, v in want.items()):
+            return
+        for k in want:
+            noted.pop(k, None)
+        merged = list({**noted, **want}.items())[-MAX_NOTED:]
+        path = self._binds_file(agent, digest)
+        tmp = path.with_name(f".{path.name}.new")
+        with contextlib.suppress(FileNotFoundError):
+            tmp.unlink()
+        fd = os.open(
+            tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600
+        )
+        try:
+            os.write(fd, json.dumps(dict(merged)).encode())
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+
+    def noted(self, agent: str, bases: Sequence[Path]) -> Iterator[tuple[str, QuotaTarget]]:
+        """Every conversation's noted binds under `bases`, as (digest, target): where a
+        reader of the whole tree (a backup) must `held` a conversation first."""
+        self.agent_dir(agent, "noted")  # checks the agent's name
+        with os.scandir(self.root / agent) as it:
+            digests = sorted(e.name[: -len(".binds")] for e in it if e.name.endswith(".binds"))
+        for digest in digests:
+            if digest.isalnum():
+                for t in self._noted_binds(agent, digest, bases):
+                    yield digest, t
+
+    def _noted_binds(self, agent: str, digest: str, bases: Sequence[Path]) -> list[QuotaTarget]:
+        """The noted binds whose base is one of `bases` (another is stale or not ours)."""
+        allowed = {os.path.realpath(b) for b in bases}
+        out: list[QuotaTarget] = []
+        for name, where in self._read_binds(agent, digest).items():
+            if len(where) != 2 or os.path.realpath(where[0]) not in allowed:
+                continue
+            try:
+                out.append(QuotaTarget(name, Path(where[0]), Path(where[1])))
+            except ValueError:
+                continue
+        return out
 
     def agent_dir(self, agent: str, digest: str) -> Path:
         """The agent's directory of images (made root-only), after checking both names."""

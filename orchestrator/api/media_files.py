@@ -6,25 +6,31 @@ A media path is `<media dir>/<file>`: `api-<session>/...` for an API session,
 store (a session row, a conversation row); the file is opened by
 `orchestrator.bridge.safefiles` (P5 over `orchestrator.safefs`'s `O_NOFOLLOW`
 walk), decided by `policies.paths` on facts from the open descriptor, and
-served from that same descriptor, read in bounded chunks.
+served from that same descriptor, read in bounded chunks. The conversation's
+quota image is held on its directories while a file is opened (R2: after a
+reboot, or once its sandbox is gone, it is not mounted until needed).
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import mimetypes
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from fastapi.responses import StreamingResponse
 
-from cellgate.errors import CellgateError, PolicyDenied, UnsafePath
+from cellgate.errors import CellgateError, PolicyDenied, QuotaError, UnsafePath
 from cellgate.models import ConversationKey
 from orchestrator.api.context import ApiContext
 from orchestrator.api.errors import ApiError
 from orchestrator.api.ids import MediaPath, relative_file
 from orchestrator.bridge.safefiles import SafeFile, open_media_file
 from orchestrator.safefs import SafeDir
+from orchestrator.sandboxes import memory_held
 from orchestrator.store import Conversation, Session, SessionId, conversation_id
 from policies.api_access import MediaOwner
 from policies.paths import normalize_request
@@ -39,6 +45,8 @@ __all__ = [
     "open_in",
     "open_stored",
 ]
+
+logger = logging.getLogger(__name__)
 
 MAX_SERVE_BYTES = 1024 * 1024 * 1024
 _CHUNK = 256 * 1024
@@ -59,6 +67,9 @@ class MediaDir:
     host: Path
     conversation: Conversation
     session: Session | None
+    held: Callable[[], AbstractContextManager[object]] = field(
+        default=contextlib.nullcontext, compare=False
+    )  # R2: its conversation's quota image on `host`, while a file is opened
 
     @property
     def owner(self) -> MediaOwner:
@@ -80,7 +91,14 @@ def media_dir_of_session(ctx: ApiContext, session: Session) -> MediaDir:
         raise _not_found(f"session {session.id}'s conversation is not in the state database")
     key = ConversationKey(conv.agent, conv.channel, conv.chat_id)
     name = key.media_dir_name(session.id)
-    return MediaDir(name, ctx.workspace(conv.agent) / "media" / name, conv, session)
+    host = ctx.workspace(conv.agent) / "media" / name
+    return MediaDir(name, host, conv, session, _holder(ctx, key))
+
+
+def _holder(ctx: ApiContext, key: ConversationKey) -> Callable[[], AbstractContextManager[object]]:
+    rt = ctx.gateway.agents.get(key.agent)
+    sandboxes = None if rt is None else rt.sandboxes
+    return lambda: memory_held(sandboxes, key)
 
 
 def media_dir_of_path(ctx: ApiContext, agent: str, mp: MediaPath) -> MediaDir:
@@ -113,7 +131,8 @@ def media_dir_of_path(ctx: ApiContext, agent: str, mp: MediaPath) -> MediaDir:
     key = ConversationKey(conv.agent, conv.channel, conv.chat_id)
     if key.media_dir_name("") != mp.dir_name:
         raise missing
-    return MediaDir(mp.dir_name, ctx.workspace(agent) / "media" / mp.dir_name, conv, None)
+    host = ctx.workspace(agent) / "media" / mp.dir_name
+    return MediaDir(mp.dir_name, host, conv, None, _holder(ctx, key))
 
 
 def _exists_nofollow(media: MediaDir, rel: str) -> bool:
@@ -147,6 +166,17 @@ def open_in(media: MediaDir, rel: str, *, max_size: int = MAX_SERVE_BYTES) -> Sa
 
 def open_stored(media: MediaDir, rel: str, *, max_size: int = MAX_SERVE_BYTES) -> SafeFile:
     """P5: open a path the store holds (relative, or as the sandbox wrote it) in `media`."""
+    with contextlib.ExitStack() as stack:
+        try:
+            stack.enter_context(media.held())
+        except (QuotaError, OSError) as exc:
+            logger.error("media directory %s: %s", media.name, exc)
+            raise ApiError(503, "media_unavailable", f"media directory {media.name!r} cannot "
+                           "be reached now; try again later") from exc  # fmt: skip
+        return _open_stored(media, rel, max_size)
+
+
+def _open_stored(media: MediaDir, rel: str, max_size: int) -> SafeFile:
     try:
         SafeDir.open(media.host, rel="").close()
     except FileNotFoundError:

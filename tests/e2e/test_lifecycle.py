@@ -10,11 +10,15 @@ from typing import Any
 import pytest
 
 from cellgate.models import ConversationKey
+from orchestrator.api.context import ApiContext
+from orchestrator.api.media_files import media_dir_of_session, open_stored
 from orchestrator.config import load_config, write_config_document
 from orchestrator.gateway import Gateway
 from orchestrator.memory import heartbeat_conversation
+from orchestrator.sandboxes import ConversationSandboxes
 from orchestrator.store import conversation_id
 from sandbox.backends.docker import DockerBackend
+from sandbox.quota import loop_backing_file, mountinfo
 from sandbox.spec import (
     LABEL_AGENT,
     LABEL_APP,
@@ -82,6 +86,51 @@ async def test_S5_sandbox_reaped_after_idle_minutes_and_recreated_on_demand(
     # Its memory outlives the container; the next turn gets a new one.
     out = await gw.turn(AGENT, "api", "reap-me", "echo back")
     assert "back" in out.result.reply and name in _names(docker_client)
+
+
+async def test_R2_R3_a_reaped_sandbox_gives_back_its_quota_mounts_and_keeps_its_memory(
+    gateway: tuple[Gateway, Clock], docker_client: Any
+) -> None:
+    """Strangers who come once leave no mount or loop device behind once reaped."""
+    gw, clock = gateway
+    key = ConversationKey(AGENT, "api", "mounts-go")
+    out = await gw.turn(
+        AGENT,
+        "api",
+        "mounts-go",
+        f"echo kept > {_chat(key)}/MEMORY.md; echo ok",
+    )
+    assert "ok" in out.result.reply
+    [session] = gw.store.live_sessions(conversation=conversation_id(key))
+    media = f"/workspace/media/{key.media_dir_name(session.id)}"
+    out = await gw.turn(AGENT, "api", "mounts-go", f"echo pic > {media}/pic.txt; echo ok")
+    assert "ok" in out.result.reply
+    sandboxes = gw.agent(AGENT).sandboxes
+    assert isinstance(sandboxes, ConversationSandboxes) and sandboxes.quota is not None
+    image = str(sandboxes.quota.image(sandboxes.app.agent, key.digest))
+
+    def mounts() -> list[str]:
+        return [e.mount_point for e in mountinfo() if loop_backing_file(e.dev) == image]
+
+    assert len(mounts()) >= 4, mounts()  # the image, its chat, media and home binds
+    name = sandbox_name(APP, key.digest, gateway=RUN_ID)
+    clock.t += 31 * 60
+    assert name in await gw.reaper().run_once()
+    assert mounts() == []
+    # the media API reads the image, mounted for the open only, not the empty mount point
+    f = open_stored(media_dir_of_session(ApiContext(gw), session), "pic.txt")
+    try:
+        assert f.pread(16, 0) == b"pic\n"
+    finally:
+        f.close()
+    assert mounts() == []
+    out = await gw.turn(AGENT, "api", "mounts-go", f"cat {_chat(key)}/MEMORY.md")
+    assert "kept" in out.result.reply
+    assert len(mounts()) >= 4
+
+
+def _chat(key: ConversationKey) -> str:
+    return f"/workspace/chats/{key.dir_name}"
 
 
 async def test_D2_start_removes_orphaned_and_stale_sandboxes(

@@ -17,6 +17,7 @@ from cellgate.errors import AppError
 from orchestrator.app_backup import backup_app, restore_app
 from orchestrator.config import write_config_document
 from policies.archive import ArchiveLimits
+from sandbox.quota import LoopQuota, QuotaLimits, QuotaTarget, release_all
 from tests.orchestrator.test_app_modes import _installed
 
 SECRET = "host-secret-do-not-copy-4471"
@@ -52,6 +53,48 @@ def test_backup_leaves_out_links_fifos_and_files_planted_by_a_sandbox(tmp_path: 
     assert SECRET.encode() not in data
     assert any("left out" in line and "MEMORY.md" in line for line in lines)
     assert any(line.startswith("backup done") for line in lines)  # progress is shown
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="loop mounts need root")
+def test_R2_backup_holds_each_conversations_quota_image_mounted_or_not(tmp_path: Path) -> None:
+    """After a reboot, or once its sandbox is gone, a conversation's image is not
+    mounted: the backup mounts it for its reading, so no memory is left out."""
+    state = tmp_path / "state"
+    _installed(state, "shop", {"isolate_memory": True})
+    agent_root = state / "agents" / "shop-bot"
+    ws = agent_root / "workspace"
+    ws.mkdir(parents=True, exist_ok=True)
+    quota = LoopQuota(state / "quota", QuotaLimits(16 << 20, 2000))
+    targets = {
+        d: (
+            QuotaTarget("chat", ws, ws / "chats" / f"api-{d}"),
+            QuotaTarget(f"media/api-{d}", ws, ws / "media" / f"api-{d}"),
+            QuotaTarget("home", agent_root, agent_root / "sandbox-homes" / d),
+        )
+        for d in ("aaaa", "bbbb")
+    }
+    try:
+        for d, ts in targets.items():
+            quota.ensure("shop-bot", d, ts, None)
+            (ts[0].path / "MEMORY.md").write_text(f"memory of {d}\n")
+            (ts[1].path / "pic.png").write_bytes(b"png")
+        quota.release("shop-bot", "aaaa")  # its sandbox went: aaaa is not mounted
+        lines: list[str] = []
+        archive = backup_app("shop", state, tmp_path / "out" / "shop.tar.gz", lines.append)
+        with tarfile.open(archive, "r:gz") as tar:
+            got = {
+                m.name: tar.extractfile(m).read()  # type: ignore[union-attr]
+                for m in tar.getmembers()
+                if m.isfile()
+            }
+        for d in ("aaaa", "bbbb"):
+            assert got[f"workspace/chats/api-{d}/MEMORY.md"] == f"memory of {d}\n".encode()
+            assert got[f"workspace/media/api-{d}/pic.png"] == b"png"
+        assert not any("left out" in line for line in lines), lines
+        assert not os.path.ismount(ws / "chats" / "api-aaaa")  # given back after its reading
+        assert os.path.ismount(ws / "chats" / "api-bbbb")  # a live one is left as it was
+    finally:
+        release_all(tmp_path)
 
 
 def _hostile(path: Path, member: tarfile.TarInfo, data: bytes = b"") -> Path:

@@ -26,6 +26,7 @@ from sandbox.quota import (
     LoopQuota,
     QuotaLimits,
     QuotaTarget,
+    loop_backing_file,
     mountinfo,
     probe,
     release_all,
@@ -193,6 +194,105 @@ def test_r2_after_an_unmount_ensure_mounts_again_and_the_data_is_there(
     assert (c.chat / "MEMORY.md").read_text() == "remember me"
     assert len(entries_at(c.chat)) == 1
     assert len(entries_at(quota.mount_dir("agent-q", c.digest))) == 1
+
+
+def test_R2_R3_release_gives_back_one_conversations_mounts_and_keeps_its_data(
+    quota: LoopQuota, tmp_path: Path
+) -> None:
+    """Its sandbox gone, a conversation holds no mount or loop device until its next turn."""
+    a, b = conv(quota, tmp_path, "a"), conv(quota, tmp_path, "b")
+    a.ensure()
+    b.ensure()
+    (a.chat / "MEMORY.md").write_text("remember me")
+    image = str(quota.image("agent-q", a.digest))
+
+    def of_a() -> list[str]:
+        return [e.mount_point for e in mountinfo() if loop_backing_file(e.dev) == image]
+
+    assert len(of_a()) == 4  # the image, and its chat, media and home binds
+    assert quota.release("agent-q", a.digest) == 4
+    assert of_a() == [] and not (a.chat / "MEMORY.md").exists()
+    # the loop device went with its last mount (autoclear): nothing left attached
+    assert not any(
+        p.read_text().strip() == image for p in Path("/sys/block").glob("loop*/loop/backing_file")
+    )
+    assert len(entries_at(b.chat)) == 1  # the neighbour keeps its own
+    assert quota.release("agent-q", a.digest) == 0  # again: nothing to do
+    a.ensure()
+    assert (a.chat / "MEMORY.md").read_text() == "remember me"
+    assert len(of_a()) == 4
+
+
+def _mounts_of(quota: LoopQuota, digest: str) -> list[str]:
+    image = str(quota.image("agent-q", digest))
+    return [e.mount_point for e in mountinfo() if loop_backing_file(e.dev) == image]
+
+
+def test_R2_R3_held_mounts_a_released_conversation_for_a_reader_and_gives_it_back(
+    quota: LoopQuota, tmp_path: Path
+) -> None:
+    """A backup, the media API or /reset outside a turn (after a reboot, or once the
+    sandbox is gone) reads and writes the image, not the empty dir under its mount point."""
+    a = conv(quota, tmp_path, "a")
+    a.ensure()
+    (a.chat / "MEMORY.md").write_text("remember me")
+    (a.media / "photo.png").write_bytes(b"png")
+    assert quota.release("agent-q", a.digest) == 4
+    bases = (tmp_path / "ws", tmp_path / "agent")
+    with quota.held("agent-q", a.digest, bases) as there:
+        assert there
+        assert (a.chat / "MEMORY.md").read_text() == "remember me"
+        assert (a.media / "photo.png").read_bytes() == b"png"
+        (a.chat / "session.json").write_text("{}")
+        fd = os.open(a.media / "photo.png", os.O_RDONLY)
+    try:
+        assert _mounts_of(quota, a.digest) == []  # given back at once
+        assert os.pread(fd, 3, 0) == b"png"  # an open descriptor keeps reading
+    finally:
+        os.close(fd)
+    assert not (a.chat / "session.json").exists()  # written into the image, not the dir
+    a.ensure()
+    assert (a.chat / "session.json").read_text() == "{}"
+
+
+def test_R2_held_leaves_a_mounted_conversation_as_it_is(quota: LoopQuota, tmp_path: Path) -> None:
+    """Its sandbox may be running: a reader neither remounts nor releases it."""
+    a = conv(quota, tmp_path, "a")
+    a.ensure()
+    before = _mounts_of(quota, a.digest)
+    with quota.held("agent-q", a.digest, (tmp_path / "ws", tmp_path / "agent")) as there:
+        assert there and _mounts_of(quota, a.digest) == before
+    assert _mounts_of(quota, a.digest) == before and len(before) == 4
+
+
+def test_R2_held_binds_only_under_the_bases_given_and_nothing_without_an_image(
+    quota: LoopQuota, tmp_path: Path
+) -> None:
+    a, b = conv(quota, tmp_path, "a"), conv(quota, tmp_path, "b")
+    a.ensure()
+    quota.release("agent-q", a.digest)
+    with quota.held("agent-q", a.digest, (tmp_path / "ws",)):
+        # the home's base (the agent root) was not given: only chat and media come back
+        assert len(_mounts_of(quota, a.digest)) == 3
+        assert not os.path.ismount(a.home)
+    with quota.held("agent-q", b.digest, (tmp_path / "ws",)) as there:
+        assert not there  # never had a turn: no image, nothing mounted
+    assert not quota.image("agent-q", b.digest).exists()
+    noted = sorted(t.name for d, t in quota.noted("agent-q", (tmp_path / "ws",)) if d == a.digest)
+    assert noted == ["chat", "media/tg-a"]
+
+
+def test_R2_release_leaves_a_mount_point_that_is_not_the_image_alone(
+    quota: LoopQuota, tmp_path: Path
+) -> None:
+    a = conv(quota, tmp_path, "a")
+    mnt = quota.mount_dir("agent-q", a.digest)
+    quota.agent_dir("agent-q", a.digest)
+    mnt.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)], check=True)
+    assert quota.release("agent-q", a.digest) == 0
+    assert entries_at(mnt), "a foreign mount was taken down"
+    assert quota.release("agent-q", "0000000000000000") == 0  # never mounted
 
 
 def test_r2_pre_quota_data_is_copied_in_once_without_following_anything(
