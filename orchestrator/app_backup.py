@@ -36,7 +36,8 @@ from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import IO, Any
 
-from cellgate.errors import AppError, QuotaError
+from cellgate.errors import AppError, ConversationError, QuotaError
+from cellgate.models import ConversationKey
 from orchestrator.apps import (
     InstalledApp,
     agent_entry,
@@ -47,6 +48,7 @@ from orchestrator.apps import (
     write_record,
 )
 from orchestrator.config import AGENT_ID_RE
+from orchestrator.sandboxes import reader_targets
 from orchestrator.store.db import DB_FILE, Database
 from policies.archive import ArchiveLimits, MemberFacts, member_allowed
 from sandbox.images import Progress, image_exists
@@ -109,6 +111,7 @@ class _Walker:
         self.progress = progress
         self.limits = limits
         self.held = held or {}
+        self.unreadable: list[str] = []  # dirs whose quota image could not be held
         self.files = 0
         self.bytes = 0
         self.left_out: list[str] = []
@@ -149,7 +152,7 @@ class _Walker:
                     self.left_out.append(f"{name}/ ({exc.strerror})")
                     continue
                 except QuotaError as exc:
-                    self.left_out.append(f"{name}/ (its quota image: {exc.reason})")
+                    self.unreadable.append(f"{name}/ ({exc.reason})")
                     continue
                 try:
                     self.add_tree(fd, name, depth + 1)
@@ -210,21 +213,45 @@ def _add_bytes(tar: tarfile.TarFile, arcname: str, data: bytes) -> None:
     tar.addfile(info, io.BytesIO(data))
 
 
-def _quota_holds(state_dir: Path, app: InstalledApp) -> dict[str, Held]:
-    """The arcnames of the conversations' dirs that are their quota images' binds (R2):
-    after a reboot, or once a sandbox is gone, the image is not mounted there."""
+def _quota_holds(
+    state_dir: Path, app: InstalledApp, convs: list[dict[str, Any]], sessions: dict[str, list[str]]
+) -> dict[str, Held]:
+    """The arcnames of the conversations' chat and media dirs, each with the hold of its
+    quota image (R2): after a reboot, or once a sandbox is gone, it is not mounted there.
+    `sessions` are the API conversations' session ids (one media dir each)."""
     root = state_dir / "quota"
     if not (root / app.agent).is_dir():
         return {}
-    # only binds an image for this backup's own reading: nosuid, nodev, noexec
+    # binds only for this backup's own reading: nosuid, nodev, noexec
     quota = LoopQuota(root, QuotaLimits(bytes=0, inodes=0))
-    bases = (app.workspace, app.agent_root)
-    ws = os.path.realpath(app.workspace)
     out: dict[str, Held] = {}
-    for digest, t in quota.noted(app.agent, bases):
-        if os.path.realpath(t.base) == ws:
-            rel = os.path.relpath(t.path, t.base)
-            out[f"workspace/{rel}"] = functools.partial(quota.held, app.agent, digest, bases)
+    for row in convs:
+        key = ConversationKey(app.agent, str(row["channel"]), str(row["chat_id"]))
+        if not quota.image(app.agent, key.digest).exists():
+            continue
+        hold = functools.partial(quota.held, app.agent, key.digest)
+        out[f"workspace/chats/{key.dir_name}"] = functools.partial(hold, reader_targets(app, key))
+        ids = sessions.get(str(row["id"]), []) if key.channel == "api" else [""]
+        for sid in ids:
+            try:
+                media = key.media_dir_name(sid)
+            except ConversationError:
+                continue
+            out[f"workspace/media/{media}"] = functools.partial(
+                hold, reader_targets(app, key, media)
+            )
+    return out
+
+
+def _api_sessions(db: Database, agent: str) -> dict[str, list[str]]:
+    sql = (
+        "SELECT s.id, s.conversation_id FROM sessions s JOIN conversations c"
+        " ON c.id = s.conversation_id WHERE c.agent = ? AND c.channel = 'api'"
+    )
+    out: dict[str, list[str]] = {}
+    with db.read() as conn:
+        for sid, conv in conn.execute(sql, (agent,)).fetchall():
+            out.setdefault(str(conv), []).append(str(sid))
     return out
 
 
@@ -246,12 +273,15 @@ def backup_app(
     archive.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
     partial = archive.with_name(f".{archive.name}.{secrets.token_hex(4)}.partial")
     rows: dict[str, list[dict[str, Any]]] = {}
+    sessions: dict[str, list[str]] = {}
     if (state_dir / DB_FILE).exists():
         db = Database(state_dir / DB_FILE)
         try:
             rows = _rows(db, app.agent)
+            sessions = _api_sessions(db, app.agent)
         finally:
             db.close()
+    holds = _quota_holds(state_dir, app, rows.get("conversations", []), sessions)
     meta = {
         "format": FORMAT,
         "app": app.name,
@@ -265,7 +295,7 @@ def backup_app(
     try:
         with os.fdopen(fd, "wb") as raw, tarfile.open(fileobj=raw, mode="w:gz") as tar:
             _add_bytes(tar, MANIFEST, json.dumps(meta, indent=2).encode())
-            walker = _Walker(tar, progress, limits, _quota_holds(state_dir, app))
+            walker = _Walker(tar, progress, limits, holds)
             for arc, path in (("app", record_dir), ("workspace", app.workspace)):
                 top = _open_dir(path)
                 try:
@@ -273,6 +303,14 @@ def backup_app(
                 finally:
                     os.close(top)
             _add_bytes(tar, ROWS, json.dumps(rows).encode())
+        if walker.unreadable:  # a backup without a conversation's memory is no backup
+            raise AppError(
+                name,
+                f"{len(walker.unreadable)} conversation dir(s) could not be read from their "
+                f"quota images, so no backup was written (and nothing was deleted): "
+                f"{'; '.join(walker.unreadable[:3])}. Check `cellgate doctor` and the "
+                "gateway's log, then try again",
+            )
         partial.replace(archive)
     except BaseException:
         partial.unlink(missing_ok=True)

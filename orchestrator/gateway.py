@@ -308,7 +308,7 @@ class Gateway:
         return self.sandboxes.reaper()
 
     async def run_reaper(self, interval: float = 60.0) -> None:
-        await self.reaper().run_forever(interval)
+        await self.reaper().run_forever(interval, after=self.sandboxes.quota.sweep)  # R3
 
 
 async def _count(items: Awaitable[Sized]) -> int:

@@ -10,16 +10,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 from collections.abc import AsyncIterator, Callable
 
-from cellgate.errors import QuotaError
 from orchestrator.admission import LiveSandbox
 from orchestrator.agents import Agents
 from orchestrator.bridge import BridgeServer
 from orchestrator.config import GatewaySettings
+from orchestrator.quota_sweep import QuotaSweep
 from orchestrator.runner import TurnRunner, conversation_key
-from orchestrator.sandboxes import ConversationSandboxes
 from orchestrator.store import ConversationId, Sandbox, Session
 from orchestrator.store.views import SandboxStore
 from orchestrator.turns import TurnLoop
@@ -62,6 +62,7 @@ class SandboxKeeper:
         self.clock = clock
         self.on_removed: Callable[[str], None] = lambda agent: None  # metrics (O2)
         self.pooled: Callable[[str], bool] = lambda name: False  # held by a live warm pool (F1)
+        self.quota = QuotaSweep(agents, store, loop, settings.sandbox_idle_minutes)  # R3
 
     async def reconcile(self) -> int:
         """Remove this gateway's containers whose conversation is unknown or whose spec is stale."""
@@ -88,13 +89,12 @@ class SandboxKeeper:
                 logger.info("removing sandbox %s (no conversation or stale spec)", info.name)
                 await self.backend.remove(info.name)
                 await asyncio.to_thread(self.store.forget_sandbox, info.name)
-                if conv is not None:  # spec_for above mounted its image
-                    await asyncio.to_thread(self._release_quota, info.name, conv.agent, conv.id)
                 removed += 1
         return removed
 
-    def reaper(self) -> Reaper:
-        """Removes this gateway's sandboxes `sandboxIdleMinutes` after their last turn."""
+    def reaper(self, *, release: bool = True) -> Reaper:
+        """Removes this gateway's sandboxes `sandboxIdleMinutes` after their last turn;
+        `release`: their conversations' quota images are given back (R3)."""
         return Reaper(
             self.backend,
             gateway_id=self.gateway_id,
@@ -104,7 +104,7 @@ class SandboxKeeper:
             now=self.clock,
             guard=self._guard,
             scope=lambda info: info.labels.get(LABEL_APP) in self.agents.app_names(),
-            on_removed=self.removed,
+            on_removed=functools.partial(self.removed, release=release),
         )
 
     async def _sessions_in(self, sb: Sandbox) -> list[Session]:
@@ -154,8 +154,9 @@ class SandboxKeeper:
         async with self.loop.conversation_lock(conv):
             yield
 
-    async def removed(self, name: str) -> None:
-        """The container is gone: its sessions end, its bridge closes, its row goes."""
+    async def removed(self, name: str, *, release: bool = False) -> None:
+        """The container is gone: its sessions end, its bridge closes, its row goes; with
+        `release` (reaped or evicted) its conversation's quota image is given back."""
         sb = await asyncio.to_thread(self.store.get_sandbox, name)
         if sb is None:
             return
@@ -164,23 +165,9 @@ class SandboxKeeper:
         for s in await self._sessions_in(sb):
             await asyncio.to_thread(self.store.end_session, s.id)
         await asyncio.to_thread(self.store.forget_sandbox, name)
-        await asyncio.to_thread(self._release_quota, name, sb.agent, sb.conversation_id)
+        if release:
+            await self.quota.removed(sb.agent, sb.conversation_id)
         self.on_removed(sb.agent)
-
-    def _release_quota(self, name: str, agent: str, conversation: ConversationId) -> None:
-        """Sandbox `name` is gone: its conversation's quota image is unmounted until it is
-        needed again (R2, R3)."""
-        rt = self.agents.get(agent)
-        sandboxes = None if rt is None else rt.sandboxes
-        if not isinstance(sandboxes, ConversationSandboxes):
-            return  # a host agent, or the app's one container (S6)
-        conv = self.store.get_conversation(conversation)
-        if conv is None:
-            return
-        try:
-            sandboxes.release_memory(conversation_key(conv))
-        except (OSError, QuotaError) as exc:
-            logger.warning("could not release the quota mounts of %s: %s", name, exc)
 
     async def live(self) -> list[LiveSandbox]:
         """This gateway's sandboxes as the store knows them, with whether a turn is in one."""
@@ -215,7 +202,7 @@ class SandboxKeeper:
             return True
         async with self.loop.conversation_lock(sb.conversation_id):
             await self.backend.remove(name)
-            await self.removed(name)
+            await self.removed(name, release=True)
         return True
 
     async def remove_app(
@@ -237,7 +224,7 @@ class SandboxKeeper:
                 await self.removed(sb.name)
             removed.append(sb.name)
         # labelled ones the store forgot, or a turn started meanwhile (under its lock)
-        removed += await self.reaper().remove_app(
+        removed += await self.reaper(release=False).remove_app(
             app, guard=lambda info: self._guard(info, holding)
         )
         return removed

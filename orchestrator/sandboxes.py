@@ -201,13 +201,15 @@ class ConversationSandboxes:
         logger.debug("sandbox %s ready", handle.name, extra={"conversation": key.digest})
         return PreparedSandbox(spec, paths, handle)
 
-    def memory_held(self, key: ConversationKey) -> AbstractContextManager[object]:
-        """R2: while held, the conversation's quota image is on its host dirs
-        (`LoopQuota.held`); for what reads or writes them outside a turn. Blocking."""
+    def memory_held(
+        self, key: ConversationKey, media: str | None = None
+    ) -> AbstractContextManager[object]:
+        """R2: while held, the conversation's quota image is on its chat dir (and its
+        media dir `media`, a name under `media/`): `LoopQuota.held`, for what reads or
+        writes them outside a turn. Blocking."""
         if self.quota is None:
             return contextlib.nullcontext()
-        bases = (self.app.workspace, self.app.agent_root)
-        return self.quota.held(self.app.agent, key.digest, bases)
+        return self.quota.held(self.app.agent, key.digest, reader_targets(self.app, key, media))
 
     def release_memory(self, key: ConversationKey) -> None:
         """R2, R3: its sandbox is gone; the image is unmounted until it is needed. Blocking."""
@@ -215,9 +217,22 @@ class ConversationSandboxes:
             self.quota.release(self.app.agent, key.digest)
 
 
-def memory_held(sandboxes: object, key: ConversationKey) -> AbstractContextManager[object]:
+def memory_held(
+    sandboxes: object, key: ConversationKey, media: str | None = None
+) -> AbstractContextManager[object]:
     """`ConversationSandboxes.memory_held` for any agent's sandboxes: a host agent's or the
     app's one container's (S6) conversations have no image of their own (a no-op)."""
     if isinstance(sandboxes, ConversationSandboxes):
-        return sandboxes.memory_held(key)
+        return sandboxes.memory_held(key, media)
     return contextlib.nullcontext()
+
+
+def reader_targets(
+    app: InstalledApp, key: ConversationKey, media: str | None = None
+) -> tuple[QuotaTarget, ...]:
+    """The conversation's chat dir, and the media dir named `media`, as quota targets."""
+    ws = app.workspace
+    chat = (QuotaTarget("chat", ws, ws / "chats" / key.dir_name),)
+    if media is None:
+        return chat
+    return (*chat, QuotaTarget(f"media/{media}", ws, ws / "media" / media))

@@ -103,6 +103,7 @@ OPEN_TREE_CLONE = 1
 AT_FDCWD = -100
 AT_EMPTY_PATH = 0x1000
 MOVE_MOUNT_F_EMPTY_PATH = 0x4
+MOVE_MOUNT_T_EMPTY_PATH = 0x40
 _ATTR = {MS_RDONLY: 0x1, MS_NOSUID: 0x2, MS_NODEV: 0x4, MS_NOEXEC: 0x8}
 
 
@@ -124,11 +125,12 @@ def _syscall(*args: object) -> int:
     return int(fn(*args))
 
 
-def attach_copy(fd: int, target: str, flags: int) -> bool:
+def attach_copy(fd: int, target: str, flags: int, *, target_fd: int | None = None) -> bool:
     """Attach a copy of the mount tree at `fd` (non-recursive) onto `target`, with `flags`
     (MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC) set before it is attached: nobody ever
-    sees it otherwise. False when this kernel lacks the calls (use `bind`); raises
-    `MountError` on any other failure."""
+    sees it otherwise. `target_fd`: onto the directory open there instead (`target` is
+    then only its name in messages; no path is walked again). False when this kernel
+    lacks the calls (use `bind`); raises `MountError` on any other failure."""
     if _NEW_API:
         return False
     tree = _syscall(
@@ -167,9 +169,11 @@ def attach_copy(fd: int, target: str, flags: int) -> bool:
                 ctypes.c_long(SYS_MOVE_MOUNT),
                 ctypes.c_int(tree),
                 ctypes.c_char_p(b""),
-                ctypes.c_int(AT_FDCWD),
-                ctypes.c_char_p(target.encode()),
-                ctypes.c_uint(MOVE_MOUNT_F_EMPTY_PATH),
+                ctypes.c_int(AT_FDCWD if target_fd is None else target_fd),
+                ctypes.c_char_p(target.encode() if target_fd is None else b""),
+                ctypes.c_uint(
+                    MOVE_MOUNT_F_EMPTY_PATH | (0 if target_fd is None else MOVE_MOUNT_T_EMPTY_PATH)
+                ),
             )
             < 0
         ):

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import json
 import logging
 import os
 import re
@@ -48,13 +47,16 @@ from pathlib import Path
 
 from cellgate.errors import QuotaError
 from sandbox.mounts import (
+    MS_BIND,
     MS_NODEV,
     MS_NOEXEC,
     MS_NOSUID,
     MountError,
+    attach_copy,
     bind,
     detach,
     flags_of,
+    mount,
     remount_bind,
 )
 
@@ -66,7 +68,6 @@ MARKERS = ".cellgate"
 MAX_DEPTH = 64
 SPARE_INODES = 16  # held back for the gateway's own files (CLAUDE.md, transcript)
 FIXED_TARGETS = ("chat", "home")
-MAX_NOTED = 256  # binds noted per conversation (its chat, home, a media dir per session)
 
 
 @dataclass(frozen=True, slots=True)
@@ -467,6 +468,32 @@ def _mkdirs_nofollow(base: Path, target: Path, mode: int = 0o755) -> None:
             raise QuotaError(f"{current} exists and is not a directory (symlinks are refused)")
 
 
+def _walk_nofollow(base: Path, target: Path) -> tuple[int, int] | None:
+    """(its parent, `target`) opened O_PATH from `base` one name at a time, no link
+    followed; None when a part is missing, a link or not a directory."""
+    rel = os.path.relpath(target, base)
+    if rel == "." or rel.startswith("..") or os.path.isabs(rel):
+        return None
+    flags = os.O_PATH | os.O_NOFOLLOW | os.O_DIRECTORY | os.O_CLOEXEC
+    try:
+        cur = os.open(base, flags)
+    except OSError:
+        return None
+    parent = -1
+    try:
+        for part in rel.split("/"):
+            nxt = os.open(part, flags, dir_fd=cur)
+            if parent >= 0:
+                os.close(parent)
+            parent, cur = cur, nxt
+    except OSError:
+        if parent >= 0:
+            os.close(parent)
+        os.close(cur)
+        return None
+    return parent, cur
+
+
 def keep_spare_inodes(mnt: Path, spare: Path) -> None:
     """ext4 reserves blocks for root but no inodes: hold a few as empty files.
 
@@ -539,51 +566,114 @@ class LoopQuota:
             keep_spare_inodes(mnt, markers / "spare")
             for t in targets:
                 self._bind(t, mnt, markers, dev, owner)
-            self._note_binds(agent, digest, targets)
+            os.utime(agent_dir / f"{digest}.lock")  # used now (see `mounted`)
 
     @contextlib.contextmanager
-    def held(self, agent: str, digest: str, bases: Sequence[Path]) -> Iterator[bool]:
-        """While held, the conversation's image is on every host dir it was bound to
-        (under a base in `bases`) and no `ensure` or `release` of it runs.
+    def held(self, agent: str, digest: str, targets: Sequence[QuotaTarget]) -> Iterator[bool]:
+        """While held, the conversation's image is on the host dirs of `targets` and no
+        `ensure` or `release` of it runs. False when the conversation has no image.
 
         For a reader or writer outside a turn (a backup, the media API, `/reset`):
-        after a reboot, or once its sandbox is gone, a conversation's image is not
-        mounted and its host dirs are the empty directories under the mount points.
-        An image that was not mounted is mounted for the hold only and released
-        after it; a descriptor opened inside keeps working after. An image that
-        was is left exactly as it is (its sandbox may be running). False when the
-        conversation has no image (its dirs are plain directories)."""
+        after a reboot, or once its sandbox is gone, the image is not mounted and
+        those dirs are the empty directories under the mount points. A mounted
+        image and its binds are left as they are. What a hold mounts stays mounted
+        until `release` (the keeper's sweep, once nobody has used it for a while),
+        so a flood of readers mounts it once. Nothing is made or copied: a subdir
+        the image does not have, a host dir that is missing, behind a link or
+        another mount, or that was never moved into the image, is left as it is.
+        """
         agent_dir = self.agent_dir(agent, digest)
         image, mnt = self.image(agent, digest), self.mount_dir(agent, digest)
-        with locked(agent_dir / f"{digest}.lock"):
+        lock = agent_dir / f"{digest}.lock"
+        with locked(lock):
             if not image.exists():
                 yield False
                 return
-            if self._mounted_dev(image, mnt) is not None:
-                yield True
+            dev = self._mounted_dev(image, mnt)
+            if dev is None:
+                dev = self._mount(image, mnt)
+            for t in targets:
+                self._bind_for_reader(t, mnt, dev)
+            os.utime(lock)  # used now: the sweep leaves it mounted a while
+            yield True
+
+    def _bind_for_reader(self, t: QuotaTarget, mnt: Path, dev: int) -> None:
+        sub = mnt / t.name
+        try:
+            want = os.lstat(sub)
+        except FileNotFoundError:
+            return
+        if not stat.S_ISDIR(want.st_mode) or want.st_dev != dev:
+            return
+        if not (mnt / MARKERS / f"migrated-{t.name.replace('/', '-')}").exists():
+            return  # the host dir may still hold what the next turn moves in: not hidden
+        found = _walk_nofollow(t.base, t.path)
+        if found is None:
+            return
+        parent, host = found
+        try:
+            have, up = os.fstat(host), os.fstat(parent)
+            if (have.st_dev, have.st_ino) == (want.st_dev, want.st_ino):
+                return  # bound already
+            if have.st_dev != up.st_dev:
+                logger.warning("quota (R2): %s holds another mount; not bound for a reader", t.path)
                 return
-            dev = self._mount(image, mnt)
+            fd = os.open(sub, os.O_PATH | os.O_NOFOLLOW | os.O_DIRECTORY | os.O_CLOEXEC)
             try:
-                for t in self._noted_binds(agent, digest, bases):
-                    self._bind(t, mnt, mnt / MARKERS, dev, None)
-                yield True
+                if os.fstat(fd).st_ino != want.st_ino:
+                    raise QuotaError(f"the image's {t.name} changed while it was being bound")
+                flags = self.limits.ms_flags()
+                if not attach_copy(fd, str(t.path), flags, target_fd=host):  # flags set first
+                    mount(f"/proc/self/fd/{fd}", f"/proc/self/fd/{host}", MS_BIND)
+                    remount_bind(str(t.path), flags)  # the walk found no link on the way
+            except MountError as exc:
+                raise QuotaError(f"binding the quota image onto {t.path}: {exc}") from exc
             finally:
-                self._release(dev)
+                os.close(fd)
+        finally:
+            os.close(parent)
+            os.close(host)
+        again = _walk_nofollow(t.base, t.path)
+        if again is not None:
+            got = os.fstat(again[1])
+            os.close(again[0])
+            os.close(again[1])
+            if (got.st_dev, got.st_ino) == (want.st_dev, want.st_ino):
+                logger.info("quota (R2): bound %s of %s for a reader", t.name, mnt.name)
+                return
+        raise QuotaError(f"{t.path} is not the quota image's {t.name} after binding it")
 
     def release(self, agent: str, digest: str) -> int:
         """Unmount a conversation's image and every bind of it; how many mounts went.
 
-        Called once its sandbox is gone: the host's mounts and loop devices then
-        grow with the conversations that have a sandbox, not with every stranger
-        ever seen (R3). The data stays in the image; the next `ensure` (or `held`)
-        mounts it again. A mount still in use is detached lazily; a mount point
-        that is not this image's is left alone.
+        Called once its sandbox is gone (and by the keeper's sweep): the host's
+        mounts and loop devices then grow with the conversations in use, not with
+        every stranger ever seen (R3). The data stays in the image; the next
+        `ensure` or `held` mounts it again. A mount still in use is detached
+        lazily; a mount point that is not this image's is left alone.
         """
         agent_dir = self.agent_dir(agent, digest)
         image, mnt = self.image(agent, digest), self.mount_dir(agent, digest)
         with locked(agent_dir / f"{digest}.lock"):
             dev = self._mounted_dev(image, mnt)
             return 0 if dev is None else self._release(dev)
+
+    def mounted(self, agent: str) -> dict[str, float]:
+        """The agent's conversations whose image is mounted now, each with when it was
+        last used (its lock's time: a turn's `ensure` or a reader's `held`)."""
+        self.agent_dir(agent, "mounted")  # checks the agent's name
+        prefix = f"{self.root / agent}/"
+        out: dict[str, float] = {}
+        for e in mountinfo():
+            p = e.mount_point
+            if p.startswith(prefix) and p.endswith(".mnt") and "/" not in p[len(prefix) :]:
+                digest = p[len(prefix) : -len(".mnt")]
+                if digest.isalnum():
+                    try:
+                        out[digest] = os.stat(f"{prefix}{digest}.lock").st_mtime
+                    except FileNotFoundError:
+                        out[digest] = 0.0
+        return out
 
     def _mounted_dev(self, image: Path, mnt: Path) -> int | None:
         """The device of `image` when it is what is mounted at `mnt`, else None."""
@@ -605,85 +695,6 @@ class LoopQuota:
         if gone:
             logger.info("quota (R2): released %s (%d mounts)", loop_backing_file(dev), gone)
         return gone
-
-    # Where each subdir of an image was bound, beside the image (`<digest>.binds`, in
-    # the root-only agent dir, never inside a sandbox's reach): `held` binds them again
-    # for a reader. A conversation gets a media dir per API session: the newest
-    # MAX_NOTED are kept.
-
-    def _binds_file(self, agent: str, digest: str) -> Path:
-        return self.root / agent / f"{digest}.binds"
-
-    def _read_binds(self, agent: str, digest: str) -> dict[str, list[str]]:
-        try:
-            fd = os.open(
-                self._binds_file(agent, digest), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
-            )
-        except FileNotFoundError:
-            return {}
-        try:
-            raw = os.read(fd, MAX_NOTED * 8192)
-        finally:
-            os.close(fd)
-        try:
-            data = json.loads(raw)
-        except ValueError:
-            logger.warning("quota (R2): %s is not JSON; noted again at the next turn",
-                           self._binds_file(agent, digest))  # fmt: skip
-            return {}
-        if not isinstance(data, dict):
-            return {}
-        return {
-            k: v
-            for k, v in data.items()
-            if isinstance(k, str) and isinstance(v, list) and all(isinstance(x, str) for x in v)
-        }
-
-    def _note_binds(self, agent: str, digest: str, targets: Sequence[QuotaTarget]) -> None:
-        """Under the conversation's lock; written only when something is new."""
-        noted = self._read_binds(agent, digest)
-        want = {t.name: [str(t.base), str(t.path)] for t in targets}
-        if all(noted.get(k) == v for k, v in want.items()):
-            return
-        for k in want:
-            noted.pop(k, None)
-        merged = list({**noted, **want}.items())[-MAX_NOTED:]
-        path = self._binds_file(agent, digest)
-        tmp = path.with_name(f".{path.name}.new")
-        with contextlib.suppress(FileNotFoundError):
-            tmp.unlink()
-        fd = os.open(
-            tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600
-        )
-        try:
-            os.write(fd, json.dumps(dict(merged)).encode())
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)
-
-    def noted(self, agent: str, bases: Sequence[Path]) -> Iterator[tuple[str, QuotaTarget]]:
-        """Every conversation's noted binds under `bases`, as (digest, target): where a
-        reader of the whole tree (a backup) must `held` a conversation first."""
-        self.agent_dir(agent, "noted")  # checks the agent's name
-        with os.scandir(self.root / agent) as it:
-            digests = sorted(e.name[: -len(".binds")] for e in it if e.name.endswith(".binds"))
-        for digest in digests:
-            if digest.isalnum():
-                for t in self._noted_binds(agent, digest, bases):
-                    yield digest, t
-
-    def _noted_binds(self, agent: str, digest: str, bases: Sequence[Path]) -> list[QuotaTarget]:
-        """The noted binds whose base is one of `bases` (another is stale or not ours)."""
-        allowed = {os.path.realpath(b) for b in bases}
-        out: list[QuotaTarget] = []
-        for name, where in self._read_binds(agent, digest).items():
-            if len(where) != 2 or os.path.realpath(where[0]) not in allowed:
-                continue
-            try:
-                out.append(QuotaTarget(name, Path(where[0]), Path(where[1])))
-            except ValueError:
-                continue
-        return out
 
     def agent_dir(self, agent: str, digest: str) -> Path:
         """The agent's directory of images (made root-only), after checking both names."""

@@ -143,11 +143,17 @@ class Reaper:
             self._first_seen.pop(info.name, None)
         return [i.name for i in infos]
 
-    async def run_forever(self, interval: float = 60.0) -> None:
-        """Reap every `interval` seconds until cancelled; an engine outage is logged, not fatal."""
+    async def run_forever(
+        self, interval: float = 60.0, after: Callable[[], Awaitable[object]] | None = None
+    ) -> None:
+        """Reap every `interval` seconds until cancelled, then run `after` (the caller's
+        own sweep); an engine outage or a failed sweep is logged, not fatal."""
         while True:
-            try:
-                await self.run_once()
-            except CellgateError as exc:
-                logger.warning("reaper pass failed: %s", exc)
+            for step in (self.run_once, after):
+                if step is None:
+                    continue
+                try:
+                    await step()
+                except CellgateError as exc:
+                    logger.warning("reaper pass failed: %s", exc)
             await asyncio.sleep(interval)

@@ -92,13 +92,15 @@ def media_dir_of_session(ctx: ApiContext, session: Session) -> MediaDir:
     key = ConversationKey(conv.agent, conv.channel, conv.chat_id)
     name = key.media_dir_name(session.id)
     host = ctx.workspace(conv.agent) / "media" / name
-    return MediaDir(name, host, conv, session, _holder(ctx, key))
+    return MediaDir(name, host, conv, session, _holder(ctx, key, name))
 
 
-def _holder(ctx: ApiContext, key: ConversationKey) -> Callable[[], AbstractContextManager[object]]:
+def _holder(
+    ctx: ApiContext, key: ConversationKey, name: str
+) -> Callable[[], AbstractContextManager[object]]:
     rt = ctx.gateway.agents.get(key.agent)
     sandboxes = None if rt is None else rt.sandboxes
-    return lambda: memory_held(sandboxes, key)
+    return lambda: memory_held(sandboxes, key, name)
 
 
 def media_dir_of_path(ctx: ApiContext, agent: str, mp: MediaPath) -> MediaDir:
@@ -132,7 +134,7 @@ def media_dir_of_path(ctx: ApiContext, agent: str, mp: MediaPath) -> MediaDir:
     if key.media_dir_name("") != mp.dir_name:
         raise missing
     host = ctx.workspace(agent) / "media" / mp.dir_name
-    return MediaDir(mp.dir_name, host, conv, None, _holder(ctx, key))
+    return MediaDir(mp.dir_name, host, conv, None, _holder(ctx, key, mp.dir_name))
 
 
 def _exists_nofollow(media: MediaDir, rel: str) -> bool:

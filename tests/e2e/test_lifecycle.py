@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -117,13 +119,24 @@ async def test_R2_R3_a_reaped_sandbox_gives_back_its_quota_mounts_and_keeps_its_
     clock.t += 31 * 60
     assert name in await gw.reaper().run_once()
     assert mounts() == []
-    # the media API reads the image, mounted for the open only, not the empty mount point
+    # the media API reads the image, not the empty dir under its mount point
     f = open_stored(media_dir_of_session(ApiContext(gw), session), "pic.txt")
     try:
         assert f.pread(16, 0) == b"pic\n"
     finally:
         f.close()
+    assert len(mounts()) == 3  # the image, its chat and that media dir, for a while
+    # the sweep gives back what nobody used for the idle time, and no live sandbox's
+    other = ConversationKey(AGENT, "api", "mounts-stay")
+    await gw.turn(AGENT, "api", "mounts-stay", "echo ok")
+    lock = Path(image).with_suffix(".lock")
+    other_lock = lock.with_name(f"{other.digest}.lock")
+    assert await gw.sandboxes.quota.sweep() == 0  # used just now
+    for used in (lock, other_lock):
+        os.utime(used, (time.time() - 31 * 60,) * 2)
+    assert await gw.sandboxes.quota.sweep() == 1
     assert mounts() == []
+    assert sandboxes.quota.mounted(AGENT).keys() >= {other.digest}
     out = await gw.turn(AGENT, "api", "mounts-go", f"cat {_chat(key)}/MEMORY.md")
     assert "kept" in out.result.reply
     assert len(mounts()) >= 4

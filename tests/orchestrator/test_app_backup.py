@@ -14,10 +14,15 @@ from pathlib import Path
 import pytest
 
 from cellgate.errors import AppError
+from cellgate.models import ConversationKey
 from orchestrator.app_backup import backup_app, restore_app
+from orchestrator.apps import InstalledApp
 from orchestrator.config import write_config_document
+from orchestrator.conversations import conversation_paths
+from orchestrator.sandboxes import quota_targets
+from orchestrator.store import Store
 from policies.archive import ArchiveLimits
-from sandbox.quota import LoopQuota, QuotaLimits, QuotaTarget, release_all
+from sandbox.quota import LoopQuota, QuotaLimits, release_all
 from tests.orchestrator.test_app_modes import _installed
 
 SECRET = "host-secret-do-not-copy-4471"
@@ -56,29 +61,37 @@ def test_backup_leaves_out_links_fifos_and_files_planted_by_a_sandbox(tmp_path: 
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="loop mounts need root")
-def test_R2_backup_holds_each_conversations_quota_image_mounted_or_not(tmp_path: Path) -> None:
+def test_R2_backup_reads_each_conversations_quota_image_mounted_or_not(tmp_path: Path) -> None:
     """After a reboot, or once its sandbox is gone, a conversation's image is not
     mounted: the backup mounts it for its reading, so no memory is left out."""
     state = tmp_path / "state"
     _installed(state, "shop", {"isolate_memory": True})
-    agent_root = state / "agents" / "shop-bot"
-    ws = agent_root / "workspace"
+    app = InstalledApp.load(state, "shop")
+    ws, agent_root = app.workspace, app.agent_root
     ws.mkdir(parents=True, exist_ok=True)
     quota = LoopQuota(state / "quota", QuotaLimits(16 << 20, 2000))
-    targets = {
-        d: (
-            QuotaTarget("chat", ws, ws / "chats" / f"api-{d}"),
-            QuotaTarget(f"media/api-{d}", ws, ws / "media" / f"api-{d}"),
-            QuotaTarget("home", agent_root, agent_root / "sandbox-homes" / d),
-        )
-        for d in ("aaaa", "bbbb")
+    keys = {
+        "tg": ConversationKey(app.agent, "telegram", "42"),
+        "api": ConversationKey(app.agent, "api", "caller-1"),
     }
+    with Store.open(state) as store:
+        sid = store.open_session(store.upsert_conversation(keys["api"]).id, "claude").id
+        store.upsert_conversation(keys["tg"])
+    media = {"tg": keys["tg"].media_dir_name(""), "api": keys["api"].media_dir_name(sid)}
     try:
-        for d, ts in targets.items():
-            quota.ensure("shop-bot", d, ts, None)
-            (ts[0].path / "MEMORY.md").write_text(f"memory of {d}\n")
-            (ts[1].path / "pic.png").write_bytes(b"png")
-        quota.release("shop-bot", "aaaa")  # its sandbox went: aaaa is not mounted
+        for k, key in keys.items():
+            paths = conversation_paths(agent_root, ws, key, sid)
+            quota.ensure(app.agent, key.digest, quota_targets(paths, agent_root), None)
+            (paths.chat_dir / "MEMORY.md").write_text(f"memory of {k}\n")
+            (paths.media_dir / "pic.png").write_bytes(b"png")
+        quota.release(app.agent, keys["api"].digest)  # its sandbox went: not mounted
+        quota.release(app.agent, keys["tg"].digest)
+        quota.ensure(  # the telegram chat's sandbox runs again
+            app.agent,
+            keys["tg"].digest,
+            quota_targets(conversation_paths(agent_root, ws, keys["tg"], sid), agent_root),
+            None,
+        )
         lines: list[str] = []
         archive = backup_app("shop", state, tmp_path / "out" / "shop.tar.gz", lines.append)
         with tarfile.open(archive, "r:gz") as tar:
@@ -87,12 +100,10 @@ def test_R2_backup_holds_each_conversations_quota_image_mounted_or_not(tmp_path:
                 for m in tar.getmembers()
                 if m.isfile()
             }
-        for d in ("aaaa", "bbbb"):
-            assert got[f"workspace/chats/api-{d}/MEMORY.md"] == f"memory of {d}\n".encode()
-            assert got[f"workspace/media/api-{d}/pic.png"] == b"png"
+        for k, key in keys.items():
+            assert got[f"workspace/chats/{key.dir_name}/MEMORY.md"] == f"memory of {k}\n".encode()
+            assert got[f"workspace/media/{media[k]}/pic.png"] == b"png"
         assert not any("left out" in line for line in lines), lines
-        assert not os.path.ismount(ws / "chats" / "api-aaaa")  # given back after its reading
-        assert os.path.ismount(ws / "chats" / "api-bbbb")  # a live one is left as it was
     finally:
         release_all(tmp_path)
 

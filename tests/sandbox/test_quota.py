@@ -228,7 +228,7 @@ def _mounts_of(quota: LoopQuota, digest: str) -> list[str]:
     return [e.mount_point for e in mountinfo() if loop_backing_file(e.dev) == image]
 
 
-def test_R2_R3_held_mounts_a_released_conversation_for_a_reader_and_gives_it_back(
+def test_R2_R3_held_mounts_a_released_conversation_for_a_reader(
     quota: LoopQuota, tmp_path: Path
 ) -> None:
     """A backup, the media API or /reset outside a turn (after a reboot, or once the
@@ -238,48 +238,64 @@ def test_R2_R3_held_mounts_a_released_conversation_for_a_reader_and_gives_it_bac
     (a.chat / "MEMORY.md").write_text("remember me")
     (a.media / "photo.png").write_bytes(b"png")
     assert quota.release("agent-q", a.digest) == 4
-    bases = (tmp_path / "ws", tmp_path / "agent")
-    with quota.held("agent-q", a.digest, bases) as there:
+    assert not (a.chat / "MEMORY.md").exists()
+    with quota.held("agent-q", a.digest, a.targets[:2]) as there:
         assert there
         assert (a.chat / "MEMORY.md").read_text() == "remember me"
         assert (a.media / "photo.png").read_bytes() == b"png"
         (a.chat / "session.json").write_text("{}")
-        fd = os.open(a.media / "photo.png", os.O_RDONLY)
-    try:
-        assert _mounts_of(quota, a.digest) == []  # given back at once
-        assert os.pread(fd, 3, 0) == b"png"  # an open descriptor keeps reading
-    finally:
-        os.close(fd)
+        assert not os.path.ismount(a.home)  # only what the reader asked for
+    # it stays mounted (a flood of readers mounts it once) until the sweep releases it
+    assert len(_mounts_of(quota, a.digest)) == 3
+    assert quota.mounted("agent-q").keys() == {a.digest}
+    assert quota.release("agent-q", a.digest) == 3
     assert not (a.chat / "session.json").exists()  # written into the image, not the dir
     a.ensure()
     assert (a.chat / "session.json").read_text() == "{}"
 
 
-def test_R2_held_leaves_a_mounted_conversation_as_it_is(quota: LoopQuota, tmp_path: Path) -> None:
-    """Its sandbox may be running: a reader neither remounts nor releases it."""
+def test_R2_held_binds_an_old_sessions_media_dir_of_a_mounted_conversation(
+    quota: LoopQuota, tmp_path: Path
+) -> None:
+    """An API conversation gets a media dir per session: after a release, its next turn
+    binds only the current one; a shared link to an older session's file still reads
+    the image. What is bound already (a running sandbox's) is left exactly as it is."""
     a = conv(quota, tmp_path, "a")
     a.ensure()
+    (a.media / "old.png").write_bytes(b"old")
+    ws = tmp_path / "ws"
+    new_media = QuotaTarget("media/tg-a2", ws, ws / "media" / "tg-a2")
+    quota.release("agent-q", a.digest)
+    quota.ensure("agent-q", a.digest, (a.targets[0], new_media, a.targets[2]), OWNER)
     before = _mounts_of(quota, a.digest)
-    with quota.held("agent-q", a.digest, (tmp_path / "ws", tmp_path / "agent")) as there:
-        assert there and _mounts_of(quota, a.digest) == before
-    assert _mounts_of(quota, a.digest) == before and len(before) == 4
+    assert not (a.media / "old.png").exists()
+    with quota.held("agent-q", a.digest, a.targets[:2]):
+        assert (a.media / "old.png").read_bytes() == b"old"
+    after = _mounts_of(quota, a.digest)
+    assert sorted(after) == sorted([*before, str(a.media)])
 
 
-def test_R2_held_binds_only_under_the_bases_given_and_nothing_without_an_image(
+def test_R2_held_binds_nothing_through_a_link_and_nothing_without_an_image(
     quota: LoopQuota, tmp_path: Path
 ) -> None:
     a, b = conv(quota, tmp_path, "a"), conv(quota, tmp_path, "b")
     a.ensure()
+    (a.chat / "MEMORY.md").write_text("mine")
     quota.release("agent-q", a.digest)
-    with quota.held("agent-q", a.digest, (tmp_path / "ws",)):
-        # the home's base (the agent root) was not given: only chat and media come back
-        assert len(_mounts_of(quota, a.digest)) == 3
-        assert not os.path.ismount(a.home)
-    with quota.held("agent-q", b.digest, (tmp_path / "ws",)) as there:
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    ws = tmp_path / "ws"
+    (ws / "media").rename(tmp_path / "media-moved")
+    (ws / "media").symlink_to(elsewhere)  # a planted link on the way to the media dir
+    (elsewhere / "tg-a").mkdir()
+    with quota.held("agent-q", a.digest, a.targets[:2]) as there:
+        assert there and (a.chat / "MEMORY.md").exists()
+        assert not os.path.ismount(elsewhere / "tg-a")  # never bound where a link leads
+    assert len(_mounts_of(quota, a.digest)) == 2  # the image and its chat
+    with quota.held("agent-q", b.digest, b.targets) as there:
         assert not there  # never had a turn: no image, nothing mounted
     assert not quota.image("agent-q", b.digest).exists()
-    noted = sorted(t.name for d, t in quota.noted("agent-q", (tmp_path / "ws",)) if d == a.digest)
-    assert noted == ["chat", "media/tg-a"]
+    assert not os.path.ismount(b.chat)
 
 
 def test_R2_release_leaves_a_mount_point_that_is_not_the_image_alone(
