@@ -144,10 +144,7 @@ class _Walker:
             est = entry.stat(follow_symlinks=False)
             if stat.S_ISDIR(est.st_mode):
                 try:
-                    with self.held.get(name, contextlib.nullcontext)():
-                        fd = os.open(
-                            entry.name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=dir_fd
-                        )
+                    fd = self._open_held(dir_fd, entry.name, name)
                 except OSError as exc:
                     self.left_out.append(f"{name}/ ({exc.strerror})")
                     continue
@@ -162,6 +159,25 @@ class _Walker:
                 self.add_file(dir_fd, entry.name, name)
             else:
                 self.left_out.append(f"{name} (not a plain file or directory)")
+
+    def _subdir(self, dir_fd: int, entry: str) -> int:
+        return os.open(entry, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=dir_fd)
+
+    def _open_held(self, dir_fd: int, entry: str, arcname: str) -> int:
+        """Open a subdir, holding its quota image first if it has one: any failure of the
+        hold itself is a QuotaError (the backup then fails: that memory would be missing)."""
+        hold = self.held.get(arcname)
+        if hold is None:
+            return self._subdir(dir_fd, entry)
+        stack = contextlib.ExitStack()
+        try:
+            stack.enter_context(hold())
+        except QuotaError:
+            raise
+        except Exception as exc:
+            raise QuotaError(f"holding its quota image: {exc}") from exc
+        with stack:
+            return self._subdir(dir_fd, entry)
 
     def add_file(self, dir_fd: int, entry: str, arcname: str) -> None:
         try:
@@ -220,8 +236,8 @@ def _quota_holds(
     quota image (R2): after a reboot, or once a sandbox is gone, it is not mounted there.
     `sessions` are the API conversations' session ids (one media dir each)."""
     root = state_dir / "quota"
-    if not (root / app.agent).is_dir():
-        return {}
+    if not app.isolate_memory or not (root / app.agent).is_dir():
+        return {}  # the app's one container (S6) owns the workspace and its dirs as they are
     # binds only for this backup's own reading: nosuid, nodev, noexec
     quota = LoopQuota(root, QuotaLimits(bytes=0, inodes=0))
     out: dict[str, Held] = {}

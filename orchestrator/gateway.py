@@ -166,6 +166,7 @@ class Gateway:
             residents=self.runner.residents,
         )
         self.sandboxes.pooled = self.pools.holds  # reconcile leaves the live pools' sandboxes
+        self.sandboxes.claimed_by = self.pools.conversation_of  # a pooled one's conversation
         self.reloader.restarted = self.pools.restarted  # L5: pools follow their agents
         self._starting: asyncio.Task[None] | None = None
         self._background: list[asyncio.Task[None]] = []

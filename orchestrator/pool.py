@@ -380,6 +380,13 @@ class WarmPool:
             or any(c.pooled.slot.id == slot_id for c in self.claimed.values())
         )
 
+    def conversation_of(self, name: str) -> str | None:
+        """The conversation that claimed sandbox `name` (its label names none), or None."""
+        for conv, c in self.claimed.items():
+            if c.pooled.handle.name == name:
+                return conv
+        return None
+
     async def run_forever(self, interval: float = REFILL_INTERVAL) -> None:
         """Refill after every claim (and every `interval`); drain when cancelled."""
         try:
@@ -492,6 +499,10 @@ class WarmPools:
     def holds(self, name: str) -> bool:
         """Is `name` a sandbox one of this gateway's live pools holds (not an orphan)?"""
         return any(p.holds(name) for p in self.pools)
+
+    def conversation_of(self, name: str) -> str | None:
+        """The conversation that claimed pooled sandbox `name`, or None."""
+        return next((c for p in self.pools if (c := p.conversation_of(name))), None)
 
     async def room(self) -> int:
         pooled = sum(len(p.ready) + len(p._creating) for p in self.pools)

@@ -60,15 +60,17 @@ class QuotaSweep:
     def _in_use(self, conversation: ConversationId) -> bool:
         return any(s.conversation_id == conversation for s in self.store.sandboxes())
 
-    def release(self, agent: str, conversation: ConversationId) -> bool:
+    def release(
+        self, agent: str, conversation: ConversationId, unused_since: float | None = None
+    ) -> bool:
         """Under the conversation's lock (the caller's): give back its image unless a
-        sandbox of it is still recorded. Blocking."""
+        sandbox of it is still recorded (or it was used after `unused_since`). Blocking."""
         sandboxes = self._sandboxes(agent)
         conv = self.store.get_conversation(conversation)
         if sandboxes is None or conv is None or self._in_use(conversation):
             return False
         try:
-            sandboxes.release_memory(conversation_key(conv))
+            sandboxes.release_memory(conversation_key(conv), unused_since)
         except (OSError, QuotaError) as exc:
             logger.warning("could not release the quota mounts of %s: %s", conversation, exc)
             return False
@@ -85,18 +87,22 @@ class QuotaSweep:
             sandboxes = self._sandboxes(agent)
             if sandboxes is None:
                 continue
-            idle = await asyncio.to_thread(self._idle, agent, sandboxes)
+            cutoff = self.now() - self.idle_seconds
+            idle = await asyncio.to_thread(self._idle, agent, sandboxes, cutoff)
             for conversation in idle:
+                if self.loop.conversation_busy(conversation):
+                    continue  # a turn began since: never wait for it (the next pass looks)
                 async with self.loop.conversation_lock(conversation):
-                    if await asyncio.to_thread(self.release, agent, conversation):
+                    if await asyncio.to_thread(self.release, agent, conversation, cutoff):
                         gone += 1
         if gone:
             logger.info("quota (R2, R3): released %d idle conversation image(s)", gone)
         return gone
 
-    def _idle(self, agent: str, sandboxes: ConversationSandboxes) -> list[ConversationId]:
+    def _idle(
+        self, agent: str, sandboxes: ConversationSandboxes, cutoff: float
+    ) -> list[ConversationId]:
         assert sandboxes.quota is not None
-        cutoff = self.now() - self.idle_seconds
         stale = {d for d, used in sandboxes.quota.mounted(agent).items() if used <= cutoff}
         if not stale:
             return []

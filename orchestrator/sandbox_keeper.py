@@ -62,6 +62,7 @@ class SandboxKeeper:
         self.clock = clock
         self.on_removed: Callable[[str], None] = lambda agent: None  # metrics (O2)
         self.pooled: Callable[[str], bool] = lambda name: False  # held by a live warm pool (F1)
+        self.claimed_by: Callable[[str], str | None] = lambda name: None  # F1: its claimer
         self.quota = QuotaSweep(agents, store, loop, settings.sandbox_idle_minutes)  # R3
 
     async def reconcile(self) -> int:
@@ -140,13 +141,13 @@ class SandboxKeeper:
         self, info: SandboxInfo, holding: ConversationId | None = None
     ) -> AsyncIterator[None]:
         """Holds the lock of the conversation `info` serves (the store's row, else the
-        container's label: a sandbox a starting turn made before its row was written),
-        unless it is `holding`'s, which the caller holds already."""
+        container's label or the pool's claim: a sandbox a starting turn made or claimed
+        before its row was written), unless it is `holding`'s, which the caller holds."""
         sb = await asyncio.to_thread(self.store.get_sandbox, info.name)
-        conv = (
+        conv = ConversationId(
             sb.conversation_id
             if sb is not None
-            else ConversationId(info.labels.get(LABEL_CONVERSATION, ""))
+            else info.labels.get(LABEL_CONVERSATION) or self.claimed_by(info.name) or ""
         )
         if not conv or conv == holding:
             yield

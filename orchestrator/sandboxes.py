@@ -211,10 +211,11 @@ class ConversationSandboxes:
             return contextlib.nullcontext()
         return self.quota.held(self.app.agent, key.digest, reader_targets(self.app, key, media))
 
-    def release_memory(self, key: ConversationKey) -> None:
-        """R2, R3: its sandbox is gone; the image is unmounted until it is needed. Blocking."""
+    def release_memory(self, key: ConversationKey, unused_since: float | None = None) -> None:
+        """R2, R3: its sandbox is gone; the image is unmounted until it is needed (if not
+        used after `unused_since`). Blocking."""
         if self.quota is not None:
-            self.quota.release(self.app.agent, key.digest)
+            self.quota.release(self.app.agent, key.digest, unused_since=unused_since)
 
 
 def memory_held(

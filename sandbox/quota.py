@@ -41,6 +41,7 @@ import stat
 import subprocess
 import tempfile
 import threading
+import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -68,6 +69,7 @@ MARKERS = ".cellgate"
 MAX_DEPTH = 64
 SPARE_INODES = 16  # held back for the gateway's own files (CLAUDE.md, transcript)
 FIXED_TARGETS = ("chat", "home")
+READER_WAIT = 10.0  # seconds a reader outside a turn waits for a conversation's image
 
 
 @dataclass(frozen=True, slots=True)
@@ -211,6 +213,8 @@ def _run(argv: Sequence[str], what: str) -> None:
         )
     except subprocess.TimeoutExpired as exc:
         raise QuotaError(f"{what}: `{argv[0]}` did not finish in {COMMAND_TIMEOUT:g} s") from exc
+    except OSError as exc:  # could not start it (no memory for a fork, too many processes)
+        raise QuotaError(f"{what}: `{argv[0]}` could not start: {exc.strerror}") from exc
     if proc.returncode != 0:
         detail = (proc.stderr or proc.stdout).strip()[:500]
         raise QuotaError(f"{what}: `{' '.join(argv)}` failed ({proc.returncode}): {detail}")
@@ -520,10 +524,25 @@ _THREAD_LOCK = threading.Lock()
 
 
 @contextlib.contextmanager
-def locked(lock_path: Path) -> Iterator[None]:
+def locked(lock_path: Path, timeout: float | None = None) -> Iterator[None]:
+    """`lock_path` locked (across processes); after `timeout` seconds a QuotaError."""
     fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
+        if timeout is None:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        else:
+            deadline, pause = time.monotonic() + timeout, 0.005
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if time.monotonic() >= deadline:
+                        raise QuotaError(
+                            f"{lock_path.name} stayed locked for {timeout:g} s; try again"
+                        ) from None
+                    time.sleep(pause)
+                    pause = min(pause * 2, 0.1)
         yield
     finally:
         os.close(fd)
@@ -585,7 +604,9 @@ class LoopQuota:
         agent_dir = self.agent_dir(agent, digest)
         image, mnt = self.image(agent, digest), self.mount_dir(agent, digest)
         lock = agent_dir / f"{digest}.lock"
-        with locked(lock):
+        # a reader waits a bounded time (a flood of them must not hold every worker thread
+        # while a turn's `ensure` moves a big dir in)
+        with locked(lock, timeout=READER_WAIT):
             if not image.exists():
                 yield False
                 return
@@ -643,7 +664,7 @@ class LoopQuota:
                 return
         raise QuotaError(f"{t.path} is not the quota image's {t.name} after binding it")
 
-    def release(self, agent: str, digest: str) -> int:
+    def release(self, agent: str, digest: str, *, unused_since: float | None = None) -> int:
         """Unmount a conversation's image and every bind of it; how many mounts went.
 
         Called once its sandbox is gone (and by the keeper's sweep): the host's
@@ -651,10 +672,14 @@ class LoopQuota:
         every stranger ever seen (R3). The data stays in the image; the next
         `ensure` or `held` mounts it again. A mount still in use is detached
         lazily; a mount point that is not this image's is left alone.
+        `unused_since`: only if nothing used it after that time (see `mounted`).
         """
         agent_dir = self.agent_dir(agent, digest)
         image, mnt = self.image(agent, digest), self.mount_dir(agent, digest)
-        with locked(agent_dir / f"{digest}.lock"):
+        lock = agent_dir / f"{digest}.lock"
+        with locked(lock):
+            if unused_since is not None and os.stat(lock).st_mtime > unused_since:
+                return 0
             dev = self._mounted_dev(image, mnt)
             return 0 if dev is None else self._release(dev)
 

@@ -149,11 +149,13 @@ class Reaper:
         """Reap every `interval` seconds until cancelled, then run `after` (the caller's
         own sweep); an engine outage or a failed sweep is logged, not fatal."""
         while True:
-            for step in (self.run_once, after):
-                if step is None:
-                    continue
+            try:
+                await self.run_once()
+            except CellgateError as exc:
+                logger.warning("reaper pass failed: %s", exc)
+            if after is not None:
                 try:
-                    await step()
-                except CellgateError as exc:
-                    logger.warning("reaper pass failed: %s", exc)
+                    await after()
+                except Exception:  # the sweep's own failure never stops the reaping
+                    logger.exception("the pass after reaping failed")
             await asyncio.sleep(interval)

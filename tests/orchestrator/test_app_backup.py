@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import io
 import os
+import subprocess
 import tarfile
 from pathlib import Path
 
@@ -104,6 +105,38 @@ def test_R2_backup_reads_each_conversations_quota_image_mounted_or_not(tmp_path:
             assert got[f"workspace/chats/{key.dir_name}/MEMORY.md"] == f"memory of {k}\n".encode()
             assert got[f"workspace/media/{media[k]}/pic.png"] == b"png"
         assert not any("left out" in line for line in lines), lines
+    finally:
+        release_all(tmp_path)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="loop mounts need root")
+def test_R2_a_backup_that_cannot_read_a_quota_image_fails_and_writes_nothing(
+    tmp_path: Path,
+) -> None:
+    """Else `uninstall --purge` would delete a conversation's memory it never saved."""
+    state = tmp_path / "state"
+    _installed(state, "shop", {"isolate_memory": True})
+    app = InstalledApp.load(state, "shop")
+    app.workspace.mkdir(parents=True, exist_ok=True)
+    quota = LoopQuota(state / "quota", QuotaLimits(16 << 20, 2000))
+    key = ConversationKey(app.agent, "telegram", "7")
+    with Store.open(state) as store:
+        store.upsert_conversation(key)
+    paths = conversation_paths(app.agent_root, app.workspace, key, "")
+    try:
+        quota.ensure(app.agent, key.digest, quota_targets(paths, app.agent_root), None)
+        (paths.chat_dir / "MEMORY.md").write_text("precious\n")
+        quota.release(app.agent, key.digest)
+        # something else sits where the image mounts: it cannot be read
+        subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs",
+             str(quota.mount_dir(app.agent, key.digest))],
+            check=True,
+        )  # fmt: skip
+        target = tmp_path / "out" / "shop.tar.gz"
+        with pytest.raises(AppError, match="no backup was written"):
+            backup_app("shop", state, target, lambda line: None)
+        assert not target.exists() and not list(target.parent.iterdir())
     finally:
         release_all(tmp_path)
 

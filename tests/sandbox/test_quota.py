@@ -22,10 +22,12 @@ from cellgate.models import ConversationKey
 from orchestrator.apps import InstalledApp
 from orchestrator.config import GatewaySettings, Limits
 from orchestrator.sandboxes import ConversationSandboxes
+from sandbox import quota as quota_mod
 from sandbox.quota import (
     LoopQuota,
     QuotaLimits,
     QuotaTarget,
+    locked,
     loop_backing_file,
     mountinfo,
     probe,
@@ -296,6 +298,22 @@ def test_R2_held_binds_nothing_through_a_link_and_nothing_without_an_image(
         assert not there  # never had a turn: no image, nothing mounted
     assert not quota.image("agent-q", b.digest).exists()
     assert not os.path.ismount(b.chat)
+
+
+def test_R2_a_reader_waits_a_bounded_time_for_a_busy_conversation(
+    quota: LoopQuota, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A flood of share fetches must not hold every worker thread while a turn's ensure
+    holds the conversation (moving a big dir in): the reader is told to try again."""
+    monkeypatch.setattr(quota_mod, "READER_WAIT", 0.3)
+    a = conv(quota, tmp_path, "a")
+    a.ensure()
+    lock = quota.agent_dir("agent-q", a.digest) / f"{a.digest}.lock"
+    reader = quota.held("agent-q", a.digest, a.targets)
+    with locked(lock), pytest.raises(QuotaError, match="try again"), reader:
+        pass
+    with quota.held("agent-q", a.digest, a.targets) as there:
+        assert there
 
 
 def test_R2_release_leaves_a_mount_point_that_is_not_the_image_alone(
