@@ -711,14 +711,14 @@ class LoopQuota:
         return st.st_dev
 
     def _release(self, dev: int) -> int:
-        gone = 0
+        image, gone = loop_backing_file(dev), 0
         # the binds (the conversation's host dirs, a pool slot's) were made after the
         # image's own mount, so they come later in the table: undone first
         for e in reversed([e for e in mountinfo() if e.dev == dev]):
             if detach(e.mount_point, nofollow=True) == 0:
                 gone += 1
         if gone:
-            logger.info("quota (R2): released %s (%d mounts)", loop_backing_file(dev), gone)
+            logger.info("quota (R2): released %s (%d mounts)", image, gone)
         return gone
 
     def agent_dir(self, agent: str, digest: str) -> Path:
