@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import os
 import time
@@ -18,7 +20,7 @@ from orchestrator.config import load_config, write_config_document
 from orchestrator.gateway import Gateway
 from orchestrator.memory import heartbeat_conversation
 from orchestrator.sandboxes import ConversationSandboxes
-from orchestrator.store import conversation_id
+from orchestrator.store import ConversationId, conversation_id
 from sandbox.backends.docker import DockerBackend
 from sandbox.quota import loop_backing_file, mountinfo
 from sandbox.spec import (
@@ -140,6 +142,43 @@ async def test_R2_R3_a_reaped_sandbox_gives_back_its_quota_mounts_and_keeps_its_
     out = await gw.turn(AGENT, "api", "mounts-go", f"cat {_chat(key)}/MEMORY.md")
     assert "kept" in out.result.reply
     assert len(mounts()) >= 4
+
+
+async def test_S5_L5_removing_an_app_waits_for_a_turn_in_a_sandbox_the_store_has_no_row_of(
+    gateway: tuple[Gateway, Clock], docker_client: Any, base_image: str
+) -> None:
+    """A turn that made its sandbox before its row was written holds its conversation's
+    lock: an app's removal (update, restart) finds the conversation by the container's
+    label and waits for that turn, instead of pulling the sandbox from under it."""
+    gw, _ = gateway
+    conv = ConversationId("cv-label-only")
+    name = f"{APP}-agent-c-labelonly0000000"
+    docker_client.containers.create(
+        base_image, "sleep infinity", name=name, network_mode="none",
+        labels={LABEL_MANAGED: "1", LABEL_APP: APP, LABEL_AGENT: AGENT,
+                LABEL_CONVERSATION: conv, LABEL_GATEWAY: RUN_ID},
+    )  # fmt: skip
+    try:
+        lock = gw.loop.conversation_lock(conv)
+        await lock.acquire()
+        removal = asyncio.create_task(gw.sandboxes.remove_app(APP, AGENT))
+        await asyncio.sleep(1.0)
+        assert not removal.done() and name in _names(docker_client)  # waits for the turn
+        lock.release()
+        assert name in await asyncio.wait_for(removal, 60)
+        assert name not in _names(docker_client)
+        # the caller's own conversation (`holding`) is not waited for: it holds it already
+        docker_client.containers.create(
+            base_image, "sleep infinity", name=name, network_mode="none",
+            labels={LABEL_MANAGED: "1", LABEL_APP: APP, LABEL_AGENT: AGENT,
+                    LABEL_CONVERSATION: conv, LABEL_GATEWAY: RUN_ID},
+        )  # fmt: skip
+        async with gw.loop.conversation_lock(conv):
+            removed = await asyncio.wait_for(gw.sandboxes.remove_app(APP, AGENT, conv), 60)
+        assert name in removed
+    finally:
+        with contextlib.suppress(Exception):
+            docker_client.api.remove_container(name, force=True)
 
 
 def _chat(key: ConversationKey) -> str:
