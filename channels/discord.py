@@ -168,6 +168,7 @@ class DiscordChannel(Channel):
         self._on_message: InboundHandler | None = None
         self._runner: asyncio.Task[None] | None = None
         self._notices: OrderedDict[str, float] = OrderedDict()
+        self._helped: OrderedDict[str, float] = OrderedDict()  # /start, /help: once per window
 
     def __repr__(self) -> str:  # never the token
         return f"DiscordChannel(agent={self.agent!r})"
@@ -270,9 +271,8 @@ class DiscordChannel(Channel):
         chat = message.chat_id
         if await asyncio.to_thread(self.store.chat_blocked, self.agent, self.name, chat):
             await asyncio.to_thread(self.store.unblock_chat, self.agent, self.name, chat)
-        if message.command in ("start", "help"):
-            key = f"dc-cmd:{self.agent}:{chat}:{message.message_id}"
-            await self._post_text(chat, key, HELP_TEXT, reply_to=None)
+        if message.command in ("start", "help"):  # best effort, once per window, never waited on
+            await self._notice(chat, HELP_TEXT, icon="", seen=self._helped)
             return
         assert self._on_message is not None, "start() the channel before messages arrive"
         try:
@@ -287,18 +287,27 @@ class DiscordChannel(Channel):
             logger.warning("discord message for agent %s not taken: %s", self.agent, exc)
             await self._notice(chat, exc.public or UNAVAILABLE_TEXT)
 
-    async def _notice(self, chat_id: str, text: str) -> None:
-        """R4: tell a flooding chat once per window; the flood itself is not stored."""
+    async def _notice(
+        self,
+        chat_id: str,
+        text: str,
+        *,
+        icon: str = "⏳ ",
+        seen: OrderedDict[str, float] | None = None,
+    ) -> None:
+        """R4: tell a flooding chat once per window; the flood itself is not stored. `seen`:
+        another window's map (the help text's: a `/help` flood is answered once)."""
+        seen = self._notices if seen is None else seen
         now = self._clock()
-        last = self._notices.get(chat_id)
+        last = seen.get(chat_id)
         if last is not None and now - last < self.options.notice_every:
             return
-        self._notices[chat_id] = now
-        self._notices.move_to_end(chat_id)
-        while len(self._notices) > _NOTICE_MAX:
-            self._notices.popitem(last=False)
+        seen[chat_id] = now
+        seen.move_to_end(chat_id)
+        while len(seen) > _NOTICE_MAX:
+            seen.popitem(last=False)
         with contextlib.suppress(discord.DiscordException, OSError, aiohttp.ClientError):
-            await self._partial(chat_id).send(f"⏳ {text}"[:DISCORD_TEXT_LIMIT])
+            await self._partial(chat_id).send(f"{icon}{text}"[:DISCORD_TEXT_LIMIT])
 
     # -- what the bridge asks --------------------------------------------------
 

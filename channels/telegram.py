@@ -202,6 +202,7 @@ class TelegramChannel(Channel):
         self._on_message: InboundHandler | None = None
         self._poller: asyncio.Task[None] | None = None
         self._notices: OrderedDict[str, float] = OrderedDict()
+        self._helped: OrderedDict[str, float] = OrderedDict()  # /start, /help: once per window
         self._started = False
         self._ready_lock = asyncio.Lock()
 
@@ -350,9 +351,8 @@ class TelegramChannel(Channel):
         if await asyncio.to_thread(self.store.chat_blocked, self.agent, self.name, chat):
             await asyncio.to_thread(self.store.unblock_chat, self.agent, self.name, chat)
             logger.info("telegram chat %s writes again: unblocked", chat)
-        if message.command in ("start", "help"):
-            key = f"tg-cmd:{self.agent}:{message.chat_id}:{message.message_id}"
-            await self._post_text(message.chat_id, key, HELP_TEXT, reply_to=None)
+        if message.command in ("start", "help"):  # best effort, once per window, never waited on
+            await self._notice(message.chat_id, HELP_TEXT, icon="", seen=self._helped)
             return
         assert self._on_message is not None, "start() the channel before updates arrive"
         try:
@@ -366,19 +366,29 @@ class TelegramChannel(Channel):
             logger.warning("telegram update for agent %s not taken: %s", self.agent, exc)
             await self._notice(message.chat_id, exc.public or UNAVAILABLE_TEXT)
 
-    async def _notice(self, chat_id: str, text: str) -> None:
-        """R4: tell a flooding chat once per window; the flood itself is not stored."""
+    async def _notice(
+        self,
+        chat_id: str,
+        text: str,
+        *,
+        icon: str = "⏳ ",
+        seen: OrderedDict[str, float] | None = None,
+    ) -> None:
+        """R4: tell a flooding chat once per window; the flood itself is not stored. `seen`:
+        another window's map (the help text's: a chat where the bot may not post, or a
+        `/help` flood, must never hold up the updates behind it)."""
+        seen = self._notices if seen is None else seen
         now = self._clock()
-        last = self._notices.get(chat_id)
+        last = seen.get(chat_id)
         if last is not None and now - last < self.options.notice_every:
             return
-        self._notices[chat_id] = now
-        self._notices.move_to_end(chat_id)
-        while len(self._notices) > _NOTICE_MAX:
-            self._notices.popitem(last=False)
+        seen[chat_id] = now
+        seen.move_to_end(chat_id)
+        while len(seen) > _NOTICE_MAX:
+            seen.popitem(last=False)
         # best effort and never waiting: a flood must not hold up the updates behind it
         with contextlib.suppress(TelegramError):
-            await self.bot.send_message(int(chat_id), f"⏳ {text}")
+            await self.bot.send_message(int(chat_id), f"{icon}{text}")
 
     # -- outbound --------------------------------------------------------------
 

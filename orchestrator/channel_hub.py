@@ -24,7 +24,7 @@ from pathlib import Path
 
 from pydantic import SecretStr
 
-from cellgate.errors import ConfigError, QuotaError, StateConflict
+from cellgate.errors import CellgateError, ConfigError, QuotaError, StateConflict, Throttled
 from cellgate.models import ConversationKey, InboundMessage, OutboundMessage
 from channels.base import Channel, ChannelFailed, ChatBlocked
 from channels.discord import DiscordChannel, DiscordOptions
@@ -34,7 +34,7 @@ from orchestrator.agents import Agents
 from orchestrator.config import DiscordSettings, GatewayConfig, LineSettings, TelegramSettings
 from orchestrator.intake import Intake
 from orchestrator.sandboxes import memory_held
-from orchestrator.store import MessageId, MessageState, Store
+from orchestrator.store import ConversationId, MessageId, MessageState, Store
 from orchestrator.transcripts import save_session_id
 from orchestrator.turns import TurnLoop
 
@@ -44,6 +44,7 @@ logger = logging.getLogger(__name__)
 
 ChannelKey = tuple[str, str]  # (agent, channel)
 _WAITING = (MessageState.ACCEPTED, MessageState.RUNNING)
+MAX_PENDING_RESETS = 4096  # chats whose `/reset` waits for their running turn
 _DOWNLOAD_TOOLS = {"line": "line_download_content"}  # W6: LINE content by message id
 _REF_NAMES = {"line": "message_id", "discord": "url"}  # P4: a Discord CDN URL
 
@@ -205,10 +206,11 @@ class ChannelInbox:
         self.channels = channels
         self.typing_limit = typing_limit
         self._typing: set[asyncio.Task[None]] = set()
+        self._resets: dict[ConversationId, asyncio.Task[None]] = {}  # one waiting per chat
 
     async def __call__(self, message: InboundMessage) -> None:
         if message.command == "reset":
-            await self.reset(message)
+            await self.start_reset(message)
             return
         key = ConversationKey(message.agent, message.channel, message.chat_id)
         if message.attachments:
@@ -248,8 +250,10 @@ class ChannelInbox:
                 await channel.typing(chat_id)
             await asyncio.sleep(TYPING_EVERY)
 
-    async def reset(self, message: InboundMessage) -> None:
-        """`/reset`: end this chat's session; its next message starts cold. No other chat's."""
+    async def start_reset(self, message: InboundMessage) -> None:
+        """`/reset`: admitted at once (a flood is refused, R4); the reset itself waits for
+        the chat's running turn in a task of its own, so the channel's other chats are
+        never held up behind it. A second `/reset` while one waits joins it."""
         key = ConversationKey(message.agent, message.channel, message.chat_id)
         conv = await asyncio.to_thread(self.store.upsert_conversation, key)
 
@@ -259,8 +263,34 @@ class ChannelInbox:
         await self.intake.gate.admit(
             key.agent, key.channel, key.chat_id, message.sender, conv.id, none_pending
         )
-        async with self.loop.conversation_lock(conv.id):
-            for session in await asyncio.to_thread(self.store.live_sessions, conversation=conv.id):
+        if conv.id in self._resets:
+            return
+        if len(self._resets) >= MAX_PENDING_RESETS:
+            raise Throttled("R4", f"{MAX_PENDING_RESETS} resets are waiting already", 5.0)
+        task = asyncio.create_task(self._reset_logged(message, key, conv.id))
+        self._resets[conv.id] = task
+        conv_id = conv.id
+
+        def done(_: asyncio.Task[None]) -> None:
+            self._resets.pop(conv_id, None)
+
+        task.add_done_callback(done)
+
+    async def _reset_logged(
+        self, message: InboundMessage, key: ConversationKey, conv: ConversationId
+    ) -> None:
+        try:
+            await self.reset(message, key, conv)
+        except CellgateError as exc:
+            logger.warning("reset of %s: %s", conv, exc)
+
+    async def reset(
+        self, message: InboundMessage, key: ConversationKey, conv_id: ConversationId
+    ) -> None:
+        """End this chat's session (after its running turn); its next message starts cold.
+        No other chat's."""
+        async with self.loop.conversation_lock(conv_id):
+            for session in await asyncio.to_thread(self.store.live_sessions, conversation=conv_id):
                 with contextlib.suppress(StateConflict):
                     await asyncio.to_thread(self.store.end_session, session.id)
             rt = self.agents.get(key.agent)
@@ -274,20 +304,21 @@ class ChannelInbox:
                 try:
                     await asyncio.to_thread(forget)
                 except (OSError, QuotaError) as exc:
-                    logger.warning("reset of %s could not clear the session id: %s", conv.id, exc)
+                    logger.warning("reset of %s could not clear the session id: %s", conv_id, exc)
         channel = self.channels.get((key.agent, key.channel))
         if channel is not None:
             await channel.send(
                 OutboundMessage(
                     channel=key.channel,
                     chat_id=key.chat_id,
-                    outbound_key=f"cmd:{conv.id}:{message.message_id}",
+                    outbound_key=f"cmd:{conv_id}:{message.message_id}",
                     text=RESET_TEXT,
                 )
             )
-        logger.info("session reset by the chat", extra={"conversation": conv.id})
+        logger.info("session reset by the chat", extra={"conversation": conv_id})
 
     async def close(self) -> None:
-        for task in list(self._typing):
+        tasks = [*self._typing, *self._resets.values()]
+        for task in tasks:
             task.cancel()
-        await asyncio.gather(*self._typing, return_exceptions=True)
+        await asyncio.gather(*tasks, return_exceptions=True)

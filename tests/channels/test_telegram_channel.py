@@ -156,6 +156,26 @@ async def test_W4_a_chat_that_blocked_the_bot_is_recorded_and_not_retried(
     assert [m.text for m in inbox.got] == ["back"]
 
 
+async def test_R3_a_help_the_bot_cannot_post_never_jams_polling(
+    tg: TelegramStandin, store: Store, channel: tuple[TelegramChannel, Inbox]
+) -> None:
+    """A stranger's `/help` in a chat the bot may not write to (blocked, or a group that
+    mutes it) is acknowledged: the updates behind it, any chat's, still arrive. A
+    `/help` flood is answered once per window."""
+    ch, inbox = channel
+    tg.block(6006)
+    tg.user_says(6006, "/help")
+    tg.user_says(6007, "after the help")
+    await ch.poll_once(wait=0)
+    assert [m.text for m in inbox.got] == ["after the help"]
+    assert await ch.poll_once(wait=0) == 0, "the cursor moved past the /help"
+    tg.blocked.clear()
+    for _ in range(5):
+        tg.user_says(6008, "/start")
+    await ch.poll_once(wait=0)
+    assert tg.texts(6008) == [HELP_TEXT]
+
+
 # -- W3: polling, stored before acknowledged --------------------------------------------
 
 

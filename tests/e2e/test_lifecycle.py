@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from cellgate.models import ConversationKey
+from cellgate.models import ConversationKey, InboundMessage
 from orchestrator.api.context import ApiContext
 from orchestrator.api.media_files import media_dir_of_session, open_stored
 from orchestrator.config import load_config, write_config_document
@@ -179,6 +179,28 @@ async def test_S5_L5_removing_an_app_waits_for_a_turn_in_a_sandbox_the_store_has
     finally:
         with contextlib.suppress(Exception):
             docker_client.api.remove_container(name, force=True)
+
+
+async def test_R3_a_reset_waits_for_its_chats_turn_without_holding_up_the_channel(
+    gateway: tuple[Gateway, Clock],
+) -> None:
+    """`/reset` arrives while its chat's turn runs: it is taken at once (a polling
+    channel goes on to the next update, any chat's) and done once that turn ends."""
+    gw, _ = gateway
+    await gw.turn(AGENT, "telegram", "4242", "echo one")
+    conv = conversation_id(ConversationKey(AGENT, "telegram", "4242"))
+    assert gw.store.live_sessions(conversation=conv)
+    reset = InboundMessage(AGENT, "telegram", "4242", "m-reset", "/reset", command="reset")
+    lock = gw.loop.conversation_lock(conv)
+    async with lock:  # its turn runs
+        await asyncio.wait_for(gw.inbox(reset), 5)  # returns at once
+        await asyncio.wait_for(gw.inbox(reset), 5)  # a second one joins the first
+        assert gw.store.live_sessions(conversation=conv), "not before the turn ends"
+    for _ in range(100):
+        if not gw.store.live_sessions(conversation=conv):
+            break
+        await asyncio.sleep(0.05)
+    assert gw.store.live_sessions(conversation=conv) == []
 
 
 def _chat(key: ConversationKey) -> str:
