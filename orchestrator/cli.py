@@ -32,8 +32,10 @@ async def _serve(
     from orchestrator.api import create_app
     from orchestrator.app_modes import prepare_config
     from orchestrator.gateway import Gateway
+    from orchestrator.open_files import raise_open_files
     from sandbox.backends.docker import DockerBackend
 
+    raise_open_files()  # R3: the sandboxes' bridges must not take every descriptor
     cfg = prepare_config(config_path)  # L3: app declarations written first
     for reason in cfg.skipped_agents:
         print(f"warning: {reason}", file=sys.stderr)
