@@ -34,7 +34,6 @@ import io
 import logging
 import time
 import warnings
-from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -54,6 +53,7 @@ from cellgate.models import DeliveryReceipt, InboundMessage, OutboundKind, Outbo
 from channels.base import Channel, ChannelFailed, ChannelStore, ChatBlocked, InboundHandler
 from channels.discord_cdn import CdnFetcher, Downloaded
 from channels.discord_inbound import normalize
+from channels.notices import OncePerWindow
 from channels.telegram import UNAVAILABLE_TEXT, split_text
 
 __all__ = [
@@ -74,7 +74,6 @@ MAX_RETRY_WAIT = 300.0
 LIBRARY_WAIT = 30.0  # discord.py sleeps out a 429 up to this itself; longer ones come here
 SEND_ATTEMPTS = 5
 THREAD_ARCHIVE_MINUTES: Literal[1440] = 1440
-_NOTICE_MAX = 4096
 
 HELP_TEXT = (
     "Hi! Every DM, channel and thread with this bot has its own private workspace; nothing "
@@ -167,8 +166,8 @@ class DiscordChannel(Channel):
         self.client = _Client(_Http(options.api_base_url, options.gateway_url), self._received)
         self._on_message: InboundHandler | None = None
         self._runner: asyncio.Task[None] | None = None
-        self._notices: OrderedDict[str, float] = OrderedDict()
-        self._helped: OrderedDict[str, float] = OrderedDict()  # /start, /help: once per window
+        self._notices = OncePerWindow()
+        self._helped = OncePerWindow()  # /start, /help
 
     def __repr__(self) -> str:  # never the token
         return f"DiscordChannel(agent={self.agent!r})"
@@ -293,19 +292,13 @@ class DiscordChannel(Channel):
         text: str,
         *,
         icon: str = "⏳ ",
-        seen: OrderedDict[str, float] | None = None,
+        seen: OncePerWindow | None = None,
     ) -> None:
         """R4: tell a flooding chat once per window; the flood itself is not stored. `seen`:
-        another window's map (the help text's: a `/help` flood is answered once)."""
-        seen = self._notices if seen is None else seen
-        now = self._clock()
-        last = seen.get(chat_id)
-        if last is not None and now - last < self.options.notice_every:
+        another window (the help text's: a `/help` flood is answered once)."""
+        window = self._notices if seen is None else seen
+        if not window.due(chat_id, self._clock(), self.options.notice_every):
             return
-        seen[chat_id] = now
-        seen.move_to_end(chat_id)
-        while len(seen) > _NOTICE_MAX:
-            seen.popitem(last=False)
         with contextlib.suppress(discord.DiscordException, OSError, aiohttp.ClientError):
             await self._partial(chat_id).send(f"{icon}{text}"[:DISCORD_TEXT_LIMIT])
 

@@ -67,6 +67,7 @@ from cellgate.errors import CellgateError, StoreError
 from cellgate.models import DeliveryReceipt, OutboundKind, OutboundMessage
 from channels.base import Channel, ChannelFailed, InboundHandler, PostedParts
 from channels.line_inbound import normalize
+from channels.notices import OncePerWindow
 from channels.telegram import split_text
 
 __all__ = [
@@ -152,7 +153,7 @@ class LineChannel(Channel):
         self._api: AsyncMessagingApi | None = None
         self._on_message: InboundHandler | None = None
         self._tokens: OrderedDict[str, tuple[str, float]] = OrderedDict()
-        self._notices: OrderedDict[str, float] = OrderedDict()
+        self._notices = OncePerWindow(_TOKENS_KEPT)
         self._image_key = hmac.new(
             options.channel_secret.get_secret_value().encode(), _IMAGE_KEY_LABEL, hashlib.sha256
         ).digest()
@@ -238,15 +239,7 @@ class LineChannel(Channel):
                     )
 
     def _notice_due(self, chat_id: str) -> bool:
-        now = self._clock()
-        last = self._notices.get(chat_id)
-        if last is not None and now - last < self.options.notice_every:
-            return False
-        self._notices[chat_id] = now
-        self._notices.move_to_end(chat_id)
-        while len(self._notices) > _TOKENS_KEPT:
-            self._notices.popitem(last=False)
-        return True
+        return self._notices.due(chat_id, self._clock(), self.options.notice_every)
 
     def _remember_token(self, chat_id: str, token: str) -> None:
         self._tokens[chat_id] = (token, self._clock())

@@ -32,7 +32,6 @@ import mimetypes
 import os
 import time
 import warnings
-from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from datetime import timedelta
@@ -64,6 +63,7 @@ from cellgate.models import (
     OutboundMessage,
 )
 from channels.base import Channel, ChannelFailed, ChannelStore, ChatBlocked, InboundHandler
+from channels.notices import OncePerWindow
 from channels.telegram_inbound import normalize, safe_file_name
 
 __all__ = [
@@ -81,7 +81,6 @@ CAPTION_LIMIT = 1024
 MAX_RETRY_WAIT = 300.0
 SEND_ATTEMPTS = 5
 TYPING_EVERY = 4.5
-_NOTICE_MAX = 4096
 _ALLOWED_UPDATES = ("message", "edited_message")
 _PHOTO_SUFFIXES = frozenset({".jpg", ".jpeg", ".png", ".webp"})
 
@@ -201,8 +200,8 @@ class TelegramChannel(Channel):
         )
         self._on_message: InboundHandler | None = None
         self._poller: asyncio.Task[None] | None = None
-        self._notices: OrderedDict[str, float] = OrderedDict()
-        self._helped: OrderedDict[str, float] = OrderedDict()  # /start, /help: once per window
+        self._notices = OncePerWindow()
+        self._helped = OncePerWindow()  # /start, /help
         self._started = False
         self._ready_lock = asyncio.Lock()
 
@@ -372,20 +371,14 @@ class TelegramChannel(Channel):
         text: str,
         *,
         icon: str = "⏳ ",
-        seen: OrderedDict[str, float] | None = None,
+        seen: OncePerWindow | None = None,
     ) -> None:
         """R4: tell a flooding chat once per window; the flood itself is not stored. `seen`:
-        another window's map (the help text's: a chat where the bot may not post, or a
-        `/help` flood, must never hold up the updates behind it)."""
-        seen = self._notices if seen is None else seen
-        now = self._clock()
-        last = seen.get(chat_id)
-        if last is not None and now - last < self.options.notice_every:
+        another window (the help text's: a chat where the bot may not post, or a `/help`
+        flood, must never hold up the updates behind it)."""
+        window = self._notices if seen is None else seen
+        if not window.due(chat_id, self._clock(), self.options.notice_every):
             return
-        seen[chat_id] = now
-        seen.move_to_end(chat_id)
-        while len(seen) > _NOTICE_MAX:
-            seen.popitem(last=False)
         # best effort and never waiting: a flood must not hold up the updates behind it
         with contextlib.suppress(TelegramError):
             await self.bot.send_message(int(chat_id), f"{icon}{text}")
