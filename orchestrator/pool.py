@@ -41,7 +41,7 @@ from orchestrator.spare_quota import SparedQuota
 from sandbox.backends.base import SandboxHandle, SandboxNotFound
 from sandbox.backends.docker import DockerBackend
 from sandbox.backends.docker_pool import DockerPoolOps, late_bind_refusal
-from sandbox.latebind import LateBinder, LateBindError, Slot
+from sandbox.latebind import LateBinder, LateBindError, Skeleton, Slot, skeleton
 from sandbox.mountplan import BRIDGE, MountPlan
 from sandbox.pool import POOL_NAME_INFIX, pool_key, pooled_spec
 from sandbox.spec import LABEL_APP, LABEL_GATEWAY, LABEL_MANAGED, SandboxSpec
@@ -138,6 +138,7 @@ class WarmPool:
         self._pending: dict[asyncio.Future[SandboxHandle], tuple[Slot, int, SandboxSpec]] = {}
         self._claiming: set[str] = set()
         self._said: set[str] = set()
+        self._skeleton: Skeleton = ()  # what the last claim's plan needed (F3: made ahead)
         self._last_claim = float("-inf")
         self._stop = threading.Event()  # ends a spare-quota refill in its worker thread
         self.refusal = late_bind_refusal(sandboxes.settings.runtime)
@@ -210,6 +211,7 @@ class WarmPool:
                 functools.partial(self._bind_and_start, pooled, spec.plan),
             )
             self.claimed[spec.conversation] = Claimed(pooled, spec.plan)
+            self._skeleton = skeleton(spec.plan)
         except (CellgateError, OSError) as exc:
             logger.warning("pooled sandbox %s not claimed: %s", pooled.handle.name, exc)
             self.claimed.pop(spec.conversation, None)
@@ -227,15 +229,22 @@ class WarmPool:
         return pooled.handle
 
     def _bind_and_start(self, pooled: Pooled, plan: MountPlan) -> bool:
-        """Bind the plan into the slot; then (F2) start the runner at once, so that its
-        Python starts while the claim is checked and the turn prepared. Until the turn's
-        sandbox is verified nothing listens on its runner socket: a claim refused here
-        leaves a runner with nothing to serve, in a sandbox that is removed."""
+        """Bind the plan into the slot; then (F2) bind the runner socket and start the
+        runner at once, so that its Python starts while the claim is checked and the turn
+        prepared, and connects at its first try. Nothing is sent to it before the turn's
+        sandbox is verified: a claim refused here closes the socket (`_retire`) and leaves
+        a runner with nothing to serve, in a sandbox that is removed."""
         bridge = plan.by_target().get(str(BRIDGE))
-        if self.residents is not None and bridge is not None:
-            self.residents.install(Path(bridge.source))
+        if self.residents is None or bridge is None:
+            self.binder.bind_plan(pooled.slot, plan)
+            return False
+        self.residents.install(Path(bridge.source))
         self.binder.bind_plan(pooled.slot, plan)
-        return self.residents is not None and bridge is not None and pooled.start_runner()
+        try:  # listening before the runner starts: it connects at its first try
+            self.residents.prebind(Path(bridge.source), pooled.handle.container_id)
+        except OSError as exc:
+            logger.warning("sandbox %s: runner socket not bound ahead: %s", pooled.handle.name, exc)
+        return pooled.start_runner()
 
     async def _retire(self, pooled: Pooled) -> None:
         """Remove the sandbox and release its slot; it is never handed out again."""
@@ -243,6 +252,8 @@ class WarmPool:
             if c.pooled is pooled:
                 del self.claimed[conv]
         pooled.close()
+        if self.residents is not None and pooled.handle.container_id:
+            self.residents.drop_prebound(pooled.handle.container_id)
         try:
             await self.sandboxes.backend.remove(pooled.handle.name)
         finally:
@@ -304,7 +315,7 @@ class WarmPool:
             logger.warning("could not make spare quota images: %s", exc)
 
     async def _make(self, template: SandboxSpec) -> bool:
-        slot = await asyncio.to_thread(self.binder.new_slot)
+        slot = await asyncio.to_thread(self.binder.new_slot, self._skeleton)
         self._creating.add(slot.id)
         trigger = -1
         create: asyncio.Future[SandboxHandle] | None = None

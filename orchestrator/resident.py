@@ -7,12 +7,13 @@ killed or replaced it, or when the runner is busy. Same user (the runner is
 started as the sandbox's user), environment (the sandbox's, then the
 request's), working directory, timeout, output cap and kill of what a
 timed-out command left (by the same exec marker). `ready` is called once a
-turn's sandbox is verified: it opens the runner socket in the conversation's
-bridge directory and, off the turn's path, starts the runner (a detached
-exec); a sandbox whose runner never comes is asked again at most
-`MAX_LAUNCHES` times. runc only: under gVisor a sandbox saturated by a fork
-bomb can still start the runner's child but nothing below it, so it would
-never show as spent to exec (and be replaced); its turns keep using exec.
+turn's sandbox is verified: it serves the runner socket in the conversation's
+bridge directory (bound then, or already at the claim of a pooled sandbox,
+`prebind`) and, off the turn's path, starts the runner (a detached exec); a
+sandbox whose runner never comes is asked again at most `MAX_LAUNCHES` times.
+runc only: under gVisor a sandbox saturated by a fork bomb can still start the
+runner's child but nothing below it, so it would never show as spent to exec
+(and be replaced); its turns keep using exec.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import builtins
 import contextlib
 import logging
 import secrets
+import threading
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from importlib import resources
@@ -68,6 +70,9 @@ class ResidentBackend(SandboxBackend):
         self._tasks: set[asyncio.Task[None]] = set()
         self._starters: dict[str, Callable[[], bool]] = {}
         self._triggered: set[str] = set()
+        # F1: runner sockets a claim bound in its control thread, until the turn serves them
+        self._prebound: OrderedDict[str, RunnerSocket] = OrderedDict()
+        self._prebound_lock = threading.Lock()
         self._script = resources.files("sandbox.client").joinpath("cellgate_runner.py").read_bytes()
         self._code = runner_code(self._script)
 
@@ -85,9 +90,11 @@ class ResidentBackend(SandboxBackend):
             while len(self._runners) >= self.max_runners:
                 await self._close(next(iter(self._runners)))
             try:
-                if cid not in self._starters:  # a claim installed it already (F1)
-                    await asyncio.to_thread(self.install, bridge_dir)
-                rs = RunnerSocket(bridge_dir, cid, self.inner._output_cap)
+                rs = self._take_prebound(cid, bridge_dir)
+                if rs is None:
+                    if cid not in self._starters:  # a claim installed it already (F1)
+                        await asyncio.to_thread(self.install, bridge_dir)
+                    rs = RunnerSocket(bridge_dir, cid, self.inner._output_cap)
                 await rs.listen()
             except (OSError, CellgateError) as exc:
                 logger.warning("no resident runner for %s: %s", handle.name, exc)
@@ -116,6 +123,36 @@ class ResidentBackend(SandboxBackend):
         while len(self._starters) >= self.max_runners:
             self._starters.pop(next(iter(self._starters)))
         self._starters[container_id] = start
+
+    def prebind(self, bridge_dir: Path, container_id: str) -> None:
+        """At a claim, in its control thread: the sandbox's runner socket bound and
+        listening before its runner starts (F1, F3: the runner connects at once, and the
+        turn's `ready` has no bind of its own to wait for). Raises OSError."""
+        rs = RunnerSocket(bridge_dir, container_id, self.inner._output_cap)
+        rs.bind()
+        with self._prebound_lock:
+            stale = [self._prebound.pop(container_id, None)]
+            self._prebound[container_id] = rs
+            while len(self._prebound) > self.max_runners:
+                stale.append(self._prebound.popitem(last=False)[1])
+        for old in stale:
+            if old is not None:
+                old.close_now()
+
+    def drop_prebound(self, container_id: str) -> None:
+        """A claim that bound a runner socket failed: close it."""
+        with self._prebound_lock:
+            rs = self._prebound.pop(container_id, None)
+        if rs is not None:
+            rs.close_now()
+
+    def _take_prebound(self, container_id: str, bridge_dir: Path) -> RunnerSocket | None:
+        with self._prebound_lock:
+            rs = self._prebound.pop(container_id, None)
+        if rs is not None and rs.bridge_dir != bridge_dir:
+            rs.close_now()
+            return None
+        return rs
 
     def install(self, bridge_dir: Path) -> None:
         """Put the runner's script into the conversation's bridge directory (read-only inside)."""
@@ -146,6 +183,7 @@ class ResidentBackend(SandboxBackend):
         self._launches.pop(cid, None)
         self._starters.pop(cid, None)
         self._triggered.discard(cid)
+        self.drop_prebound(cid)
         if rs is not None:
             await rs.close()
 
@@ -219,3 +257,8 @@ class ResidentBackend(SandboxBackend):
     async def close(self) -> None:
         for cid in builtins.list(self._runners):
             await self._close(cid)
+        with self._prebound_lock:
+            prebound = builtins.list(self._prebound.values())
+            self._prebound.clear()
+        for rs in prebound:
+            rs.close_now()

@@ -10,7 +10,12 @@ directories, with `rslave` propagation (host to sandbox only):
 `<root>/slots` is a bind of itself made `shared`, so a mount the host makes
 under a slot appears inside that slot's sandbox, and nowhere else: another
 sandbox's bind starts at its own slot directory, which does not contain this
-one. At claim, `bind_plan` binds every planned mount (S3) onto its place in
+one. A slot is made with the mountpoints every claim of its app needs (its
+`skeleton`: the persona files' and shared dirs' places and the parents of
+the conversation's own dirs), so that a claim creates almost nothing on the
+host's filesystem (F3: an inode made there is the dearest part of a claim on
+a busy filesystem); what a claim's plan does not need is removed before it
+binds. At claim, `bind_plan` binds every planned mount (S3) onto its place in
 the slot: the source is opened `O_PATH|O_NOFOLLOW` and checked by device and
 inode against the plan first, then bound from that descriptor (a symlink
 swapped in after the plan is never followed) as a detached copy
@@ -110,11 +115,32 @@ def _self_bind(path: Path, propagation: int) -> None:
     _mount(None, str(path), propagation)
 
 
+Skeleton = tuple[tuple[str, EntryKind], ...]
+
+
+def skeleton(plan: MountPlan) -> Skeleton:
+    """The mountpoints a slot can have ready before its claim: every planned target's
+    parent directories under its slot dir, and the read-only targets themselves (the
+    app's, the same for each of its conversations); never a conversation's own dir."""
+    out: dict[str, EntryKind] = {}
+    for m in plan.mounts:
+        base = next((str(b) for _, b in SLOT_TARGETS if m.target.startswith(f"{b}/")), None)
+        if base is None:
+            continue  # a slot dir itself: nothing to make
+        parts = m.target[len(base) + 1 :].split("/")
+        for i in range(1, len(parts)):
+            out[f"{base}/{'/'.join(parts[:i])}"] = EntryKind.DIR
+        if m.read_only:
+            out[m.target] = m.kind
+    return tuple(sorted(out.items()))
+
+
 @dataclass(frozen=True, slots=True)
 class Slot:
-    """One pooled sandbox's slot directories on the host."""
+    """One pooled sandbox's slot directories on the host, and the skeleton made in them."""
 
     root: Path
+    made: Skeleton = ()
 
     @property
     def id(self) -> str:
@@ -159,26 +185,35 @@ class LateBinder:
         _self_bind(self.slots, MS_PRIVATE)
         self._ready = True
 
-    def new_slot(self) -> Slot:
+    def new_slot(self, made: Skeleton = ()) -> Slot:
         """A slot directory that is a shared mount of its own: its own peer group, so
         what a claim binds in it propagates to its sandbox alone, at a cost that does
-        not grow with the number of pooled sandboxes (F3)."""
+        not grow with the number of pooled sandboxes (F3); with the mountpoints of
+        `made` (a `skeleton`) ready in it."""
         self.setup()
-        slot = Slot(self.slots / secrets.token_hex(8))
+        slot = Slot(self.slots / secrets.token_hex(8), made)
         slot.root.mkdir(mode=0o755)
         try:
             _self_bind(slot.root, MS_SHARED)
             for d in slot.dirs().values():
                 d.mkdir(mode=0o755)
             os.mkfifo(slot.root / "bridge" / CLAIM_FIFO, 0o644)
+            root = str(slot.root)
+            for target, kind in made:
+                _mountpoint(_slot_place(root, target), kind, root)
         except BaseException:
             detach(str(slot.root))
             raise
         return slot
 
     def bind_plan(self, slot: Slot, plan: MountPlan) -> None:
-        """Bind every planned mount into `slot` (S3); on any failure undo and raise."""
+        """Bind every planned mount into `slot` (S3); on any failure undo and raise.
+
+        First the mountpoints made ahead that this plan has no use for go (a persona
+        file removed since the slot was made): the sandbox sees no stub of them."""
         try:
+            if slot.made:
+                _unmake(str(slot.root), set(slot.made) - set(skeleton(plan)))
             for i, m in enumerate(plan.mounts):
                 self._bind_one(slot, m, i)
         except BaseException:
@@ -308,6 +343,13 @@ def _mountpoint(place: str, kind: EntryKind, within: str) -> None:
         mode = os.lstat(place).st_mode
         if (kind is EntryKind.DIR) != stat.S_ISDIR(mode) or stat.S_ISLNK(mode):
             raise LateBindError(f"{place} is in the way") from None
+
+
+def _unmake(root: str, extra: set[tuple[str, EntryKind]]) -> None:
+    """Remove the unused mountpoints `extra` made ahead in a slot, deepest first; one
+    that is not empty stays (and a claim that needs its place then fails: cold start)."""
+    for target, _kind in sorted(extra, key=lambda e: e[0], reverse=True):
+        _remove_empty(Path(_slot_place(root, target)))
 
 
 def _remove_empty(path: Path) -> None:

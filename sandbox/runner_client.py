@@ -43,6 +43,7 @@ RUNNER_NAME = "cellgate-runner"
 RUNNER_CODE_NAME = f"{RUNNER_NAME}.{sys.implementation.cache_tag}"
 HEADER = struct.Struct(">I")
 MAX_REPLY_HEADER = 4096
+LISTEN_BACKLOG = 128  # as `UnixListener`'s
 KILL_AFTER = 2
 HOST_GRACE = 3.0
 SEND_TIMEOUT = 5.0
@@ -65,13 +66,24 @@ class RunnerSocket:
         self._conn: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
         self._lock = asyncio.Lock()
         self._inode: tuple[int, int] | None = None
+        self._bound: socket.socket | None = None
 
     @property
     def path(self) -> Path:
         return self.bridge_dir / SOCKET_NAME
 
+    def bind(self) -> None:
+        """Bind and listen now, in the caller's thread (F1: a claim does it before the
+        pooled sandbox's runner starts, so the runner connects at its first try instead
+        of polling for the socket); `listen` then serves it. Raises OSError."""
+        sock = self._bind()
+        sock.listen(LISTEN_BACKLOG)
+        self._bound = sock
+
     async def listen(self) -> None:
-        sock = await asyncio.to_thread(self._bind)
+        sock, self._bound = self._bound, None
+        if sock is None:
+            sock = await asyncio.to_thread(self._bind)
         self._server = UnixListener(sock, self._on_connect, limit=MAX_REPLY_HEADER + 1)
         self._server.start()
 
@@ -128,8 +140,15 @@ class RunnerSocket:
         self.connected.clear()
 
     async def close(self) -> None:
+        self.close_now()
+
+    def close_now(self) -> None:
+        """`close`, callable from any thread while the socket is only bound (never served)."""
         self._closed = True
         self.drop()
+        if self._bound is not None:
+            self._bound.close()
+            self._bound = None
         if self._server is not None:
             self._server.close()
             self._server = None

@@ -188,6 +188,35 @@ def test_S4_R5_tampered_late_bound_mount_refuses_next_turn(live: LiveGateway) ->
     assert "ok-again" in live.run(chat, "echo ok-again")
 
 
+def test_F1_S3_mountpoints_made_ahead_show_only_what_the_plan_mounts(live: LiveGateway) -> None:
+    """A slot is made with the mountpoints of the last claim's plan (F3: a claim then
+    creates almost nothing on the host). A persona file removed since leaves no stub
+    in the next claimed sandbox: it sees exactly the workspace's files (S3)."""
+    if live.runtime != "runc":
+        assert pool_of(live).refusal is not None  # nothing is late-bound under gVisor
+        return
+    pool = pool_of(live)
+    persona = live.state_dir / "agents" / live.agent / "workspace" / "IDENTITY.md"
+    kept = persona.read_bytes()
+    for i in range(2 * POOL["max"]):  # claims until every ready slot was made after one
+        assert "[exit 0]" in live.run(f"pool-skel-{i}", "true")
+        wait_ready(live, 1)
+        if all(p.slot.made for p in pool.ready):
+            break
+    ready = list(pool.ready)
+    assert ready and all(p.slot.made for p in ready), "no slot was made with its mountpoints"
+    stub = slot_path(ready[0].slot, _p("/workspace/IDENTITY.md"))
+    assert stub.is_file() and stub.stat().st_size == 0  # made ahead, nothing bound on it yet
+    persona.unlink()
+    try:
+        reply = live.run("pool-skel-after", "ls -A /workspace; echo; cat /workspace/AGENTS.md")
+        assert any(c.pooled is ready[0] for c in pool.claimed.values())  # that slot served it
+        assert "IDENTITY.md" not in reply
+        assert "AGENTS.md" in reply and "[exit 0]" in reply
+    finally:
+        persona.write_bytes(kept)
+
+
 def chat_in(c: Any, live: LiveGateway, chat: str) -> bool:
     return any(dir_of(live, chat) in t for t in c.plan.by_target())
 

@@ -10,7 +10,7 @@ import pytest
 from pydantic import ValidationError
 
 from orchestrator.config import PoolSettings
-from sandbox.latebind import LateBindError, Slot, slot_path, unescape
+from sandbox.latebind import LateBindError, Slot, skeleton, slot_path, unescape
 from sandbox.mountplan import EntryKind, MountPlan, PlannedMount
 from sandbox.pool import SandboxView, ViewMount, parse_mountinfo, pool_key, view_violations
 from sandbox.spec import SandboxLimits, SandboxSpec
@@ -116,6 +116,24 @@ def spec(**changes: object) -> SandboxSpec:
         conversation="c1", gateway="gw",
     )  # fmt: skip
     return dataclasses.replace(base, **changes)  # type: ignore[arg-type]
+
+
+def test_F1_S3_skeleton_holds_the_apps_mountpoints_and_no_conversations_own() -> None:
+    """What a slot is made with ahead of its claim: the read-only (app) targets and the
+    parents of every target; a conversation's own dir (its chat, media, home) never."""
+    skill = PlannedMount(
+        "/h/.claude/skills", "/workspace/.claude/skills", True, EntryKind.DIR, DEV, 15
+    )
+    media = PlannedMount("/h/media/a", "/workspace/media/a", False, EntryKind.DIR, DEV, 16)
+    made = dict(skeleton(MountPlan((*PLAN.mounts, skill, media))))
+    assert made == {
+        "/workspace/AGENTS.md": EntryKind.FILE,
+        "/workspace/chats": EntryKind.DIR,
+        "/workspace/.claude": EntryKind.DIR,
+        "/workspace/.claude/skills": EntryKind.DIR,
+        "/workspace/media": EntryKind.DIR,
+    }
+    assert skeleton(MountPlan((HOME, BRIDGE))) == ()  # slot dirs themselves: nothing to make
 
 
 def test_F1_pool_key_ignores_the_conversation_and_drains_on_spec_change() -> None:

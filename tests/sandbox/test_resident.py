@@ -4,7 +4,10 @@ that kills or replaces its runner only hurts itself (the gateway falls back to e
 from __future__ import annotations
 
 import asyncio
+import os
+import socket
 from collections.abc import AsyncIterator, Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -118,3 +121,47 @@ async def test_F2_hostile_runner_is_bounded_and_dropped(sandbox: Any, claimed_si
     # dropped: the next exec goes the plain way, and works
     fine = await _exec(residents, handle, "echo fine")
     assert fine.exit_code == 0 and fine.stdout == b"fine\n"
+
+
+def _listening(path: Path) -> bool:
+    """Does something listen at `path` (a connection is taken into its backlog)?"""
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    dfd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        probe.connect(f"/proc/self/fd/{dfd}/{path.name}")  # a tmp path can be too long
+    except (FileNotFoundError, ConnectionRefusedError):
+        return False
+    finally:
+        probe.close()
+        os.close(dfd)
+    return True
+
+
+async def test_F1_F2_socket_bound_at_claim_listens_before_the_turn_and_serves_it(
+    spec_factory: Callable[..., Built],
+) -> None:
+    """A claim binds the runner socket (`prebind`) before the pooled sandbox's runner
+    starts, so the runner connects at its first try; the turn's `ready` serves that very
+    socket. A claim that fails closes it, and nothing listens there any more."""
+    inner = DockerBackend.from_env(output_cap=CAP)
+    built = spec_factory()
+    handle = await inner.ensure(built.spec)
+    residents = ResidentBackend(inner)
+    path = built.paths.bridge_dir / "runner.sock"
+    try:
+        await asyncio.to_thread(residents.prebind, built.paths.bridge_dir, handle.container_id)
+        assert _listening(path)  # before any turn's `ready` (this probe is never served)
+        residents.drop_prebound(handle.container_id)  # the claim failed
+        assert not _listening(path) and not os.path.exists(path)
+        await asyncio.to_thread(residents.install, built.paths.bridge_dir)
+        await asyncio.to_thread(residents.prebind, built.paths.bridge_dir, handle.container_id)
+        inode = os.stat(path).st_ino
+        await residents.ready(handle, built.paths.bridge_dir, built.spec)
+        assert await residents.wait_connected(handle, 20)
+        assert os.stat(path).st_ino == inode  # the socket bound at the claim, not a new one
+        ran = await _exec(residents, handle, ANCESTRY)
+        assert ran.exit_code == 0 and "cellgate-runner" in ran.stdout.decode().split("\n")[0]
+    finally:
+        await residents.close()
+        await inner.close()
+    assert not _listening(path)
