@@ -14,7 +14,7 @@ import uuid
 from cellgate.models import ConversationKey
 from orchestrator.admission import MessageGate
 from orchestrator.agents import Agents
-from orchestrator.store import Message
+from orchestrator.store import Message, conversation_id
 from orchestrator.store.views import IntakeStore
 from orchestrator.turns import TurnLoop
 
@@ -41,18 +41,15 @@ class Intake:
         """Store the message (idempotent on its platform id) and queue its turn."""
         self.agents.runnable(agent_id)
         key = ConversationKey(agent_id, channel, chat_id)
-        conv = await asyncio.to_thread(self.store.upsert_conversation, key)
+        conv = conversation_id(key)
 
         async def pending() -> int:
-            return len(await asyncio.to_thread(self.store.pending_for_conversation, conv.id))
+            return len(await asyncio.to_thread(self.store.pending_for_conversation, conv))
 
-        await self.gate.admit(agent_id, channel, chat_id, sender, conv.id, pending)
+        # admitted first: a refused message (a flood of new chats) makes no conversation row
+        await self.gate.admit(agent_id, channel, chat_id, sender, conv, pending)
         msg, created = await asyncio.to_thread(
-            self.store.accept_message,
-            conv.id,
-            message_id or uuid.uuid4().hex,
-            sender=sender,
-            text=text,
+            self.store.accept_new, key, message_id or uuid.uuid4().hex, sender=sender, text=text
         )
-        self.loop.wake(conv.id)
+        self.loop.wake(conv)
         return msg, created

@@ -54,6 +54,52 @@ def conversation_id(key: ConversationKey) -> ConversationId:
     return ConversationId(hashlib.sha256(raw).hexdigest()[:32])
 
 
+def _upsert(c: sqlite3.Connection, key: ConversationKey, now: float) -> Conversation:
+    row = c.execute(
+        "INSERT INTO conversations"
+        " (id, agent, channel, chat_id, dir_name, created_at, last_active_at)"
+        " VALUES (?, ?, ?, ?, ?, ?, ?)"
+        " ON CONFLICT (id) DO UPDATE SET last_active_at = excluded.last_active_at"
+        " RETURNING *",
+        (conversation_id(key), key.agent, key.channel, key.chat_id, key.dir_name, now, now),
+    ).fetchone()
+    return conversation_from_row(row)
+
+
+def _insert_message(
+    c: sqlite3.Connection,
+    conversation: ConversationId,
+    platform_message_id: str,
+    sender: str,
+    text: str,
+    attachments: Sequence[Attachment],
+    now: float,
+) -> tuple[Message, bool]:
+    """The message stored once (its platform id); a redelivery: the stored row and False."""
+    row = c.execute(
+        "INSERT INTO messages (conversation_id, platform_message_id, sender, text,"
+        " attachments, received_at, state, updated_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?)"
+        " ON CONFLICT (conversation_id, platform_message_id) DO NOTHING RETURNING *",
+        (
+            conversation,
+            platform_message_id,
+            sender,
+            text,
+            dumps([dict(a) for a in attachments]),
+            now,
+            MessageState.ACCEPTED,
+            now,
+        ),
+    ).fetchone()
+    if row is not None:
+        return _message(row), True
+    row = c.execute(
+        "SELECT * FROM messages WHERE conversation_id = ? AND platform_message_id = ?",
+        (conversation, platform_message_id),
+    ).fetchone()
+    return _message(row), False
+
+
 def conversation_from_row(
     row: sqlite3.Row, prefix: str = "", id_column: str = "id"
 ) -> Conversation:
@@ -102,17 +148,8 @@ class MessagesMixin(StoreBase):
 
     def upsert_conversation(self, key: ConversationKey) -> Conversation:
         """Create the conversation, or mark an existing one active now."""
-        now = self._now()
         with self._db.write() as c:
-            row = c.execute(
-                "INSERT INTO conversations"
-                " (id, agent, channel, chat_id, dir_name, created_at, last_active_at)"
-                " VALUES (?, ?, ?, ?, ?, ?, ?)"
-                " ON CONFLICT (id) DO UPDATE SET last_active_at = excluded.last_active_at"
-                " RETURNING *",
-                (conversation_id(key), key.agent, key.channel, key.chat_id, key.dir_name, now, now),
-            ).fetchone()
-        return conversation_from_row(row)
+            return _upsert(c, key, self._now())
 
     def get_conversation(self, conversation: ConversationId) -> Conversation | None:
         with self._db.read() as c:
@@ -147,28 +184,20 @@ class MessagesMixin(StoreBase):
             ).rowcount
             if not touched:
                 raise NotFound("conversation", conversation)
-            row = c.execute(
-                "INSERT INTO messages (conversation_id, platform_message_id, sender, text,"
-                " attachments, received_at, state, updated_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?)"
-                " ON CONFLICT (conversation_id, platform_message_id) DO NOTHING RETURNING *",
-                (
-                    conversation,
-                    platform_message_id,
-                    sender,
-                    text,
-                    dumps([dict(a) for a in attachments]),
-                    now,
-                    MessageState.ACCEPTED,
-                    now,
-                ),
-            ).fetchone()
-            if row is not None:
-                return _message(row), True
-            row = c.execute(
-                "SELECT * FROM messages WHERE conversation_id = ? AND platform_message_id = ?",
-                (conversation, platform_message_id),
-            ).fetchone()
-        return _message(row), False
+            return _insert_message(
+                c, conversation, platform_message_id, sender, text, attachments, now
+            )
+
+    def accept_new(
+        self, key: ConversationKey, platform_message_id: str, *, sender: str, text: str
+    ) -> tuple[Message, bool]:
+        """`upsert_conversation` and `accept_message` in one transaction (one commit, one
+        sync): a message admitted from a chat that may be new (R4: a refused one makes
+        no conversation row)."""
+        now = self._now()
+        with self._db.write() as c:
+            conv = _upsert(c, key, now)
+            return _insert_message(c, conv.id, platform_message_id, sender, text, (), now)
 
     def find_message(
         self, conversation: ConversationId, platform_message_id: str

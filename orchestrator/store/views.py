@@ -77,6 +77,10 @@ class IntakeStore(ConversationStore, RefusalStore, Protocol):
         attachments: Sequence[Attachment] = (),
     ) -> tuple[Message, bool]: ...
 
+    def accept_new(
+        self, key: ConversationKey, platform_message_id: str, *, sender: str, text: str
+    ) -> tuple[Message, bool]: ...
+
     def pending_for_conversation(self, conversation: ConversationId) -> list[Message]: ...
 
 

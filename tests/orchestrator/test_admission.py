@@ -11,12 +11,15 @@ import pytest
 from cellgate.errors import SandboxesBusy, Throttled
 from cellgate.models import ConversationKey
 from orchestrator.admission import LiveSandbox, MessageGate, SandboxGate, default_max_sandboxes
-from orchestrator.config import Admission
+from orchestrator.config import Admission, load_config, write_config_document
+from orchestrator.gateway import Gateway
 from orchestrator.runner import Outcome, Outcomes
 from orchestrator.slots import FairSlots
-from orchestrator.store import ConversationId, MessageId, Store
+from orchestrator.store import ConversationId, MessageId, Store, conversation_id
 from orchestrator.supervise import supervised
 from policies.admission import Bucket, queue_room, sandbox_room, take_token
+from tests.fakes.no_engine import NoEngineBackend
+from tests.support.run_id import seed_gateway_id
 
 
 class Clock:
@@ -221,3 +224,41 @@ async def test_supervised_task_stops_when_cancelled() -> None:
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
+
+
+async def test_R4_refused_messages_from_new_chats_store_nothing(tmp_path: Path) -> None:
+    """A flood of new chats from one sender: what admission refuses is not stored at
+    all, not even as a conversation row; what it admits is stored with its conversation
+    in one transaction (D1: committed before the caller hears it was accepted)."""
+    state = seed_gateway_id(tmp_path / "state")
+    config = state / "config.json"
+    host = {
+        "id": "floody",
+        "isolateMemory": True,
+        "harness": {"type": "command", "argv": ["/bin/true"], "output": "text"},
+    }
+    admission = {"senderPerMinute": 6, "chatPerMinute": 1000, "burst": 3}
+    write_config_document(
+        config, {"gateway": {"stateDir": str(state), "admission": admission}, "agents": [host]}
+    )
+    gw = Gateway(load_config(config), NoEngineBackend())
+    try:
+        admitted = []
+        for i in range(40):
+            try:
+                msg, created = await gw.intake.submit(
+                    "floody", "api", f"flood-{i}", "hi", sender="mallory"
+                )
+            except Throttled:
+                continue
+            assert created
+            admitted.append((f"flood-{i}", msg))
+        assert len(admitted) == 3  # the burst
+        convs = gw.store.conversations("floody")
+        assert sorted(c.chat_id for c in convs) == sorted(chat for chat, _ in admitted)
+        for chat, msg in admitted:
+            key = ConversationKey("floody", "api", chat)
+            found = gw.store.find_message(conversation_id(key), msg.platform_message_id)
+            assert found is not None and (found.id, found.text) == (msg.id, "hi")
+    finally:
+        await gw.close()
