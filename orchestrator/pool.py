@@ -51,8 +51,8 @@ logger = logging.getLogger(__name__)
 COLD_MEMORY = 10_000
 REFILL_INTERVAL = 30.0
 REFILL_BATCH = 2
-REFILL_QUIET = 0.3  # seconds without a claim before the pool refills
-REFILL_DEFER = 3.0  # but never put off longer than this
+REFILL_QUIET = 0.3  # seconds without a claim, and no claimed first turn running, before
+REFILL_DEFER = 3.0  # the pool refills; but never put off longer than this
 
 Room = Callable[[], Awaitable[int]]
 
@@ -137,6 +137,7 @@ class WarmPool:
         self._creating: set[str] = set()
         self._pending: dict[asyncio.Future[SandboxHandle], tuple[Slot, int, SandboxSpec]] = {}
         self._claiming: set[str] = set()
+        self._unsettled: set[str] = set()  # claimed, their first turn still running (F3)
         self._said: set[str] = set()
         self._skeleton: Skeleton = ()  # what the last claim's plan needed (F3: made ahead)
         self._last_claim = float("-inf")
@@ -211,6 +212,7 @@ class WarmPool:
                 functools.partial(self._bind_and_start, pooled, spec.plan),
             )
             self.claimed[spec.conversation] = Claimed(pooled, spec.plan)
+            self._unsettled.add(spec.conversation)
             self._skeleton = skeleton(spec.plan)
         except (CellgateError, OSError) as exc:
             logger.warning("pooled sandbox %s not claimed: %s", pooled.handle.name, exc)
@@ -246,11 +248,15 @@ class WarmPool:
             logger.warning("sandbox %s: runner socket not bound ahead: %s", pooled.handle.name, exc)
         return pooled.start_runner()
 
+    def settled(self, conversation: str) -> None:
+        self._unsettled.discard(conversation)
+
     async def _retire(self, pooled: Pooled) -> None:
         """Remove the sandbox and release its slot; it is never handed out again."""
         for conv, c in list(self.claimed.items()):
             if c.pooled is pooled:
                 del self.claimed[conv]
+                self._unsettled.discard(conv)
         pooled.close()
         if self.residents is not None and pooled.handle.container_id:
             self.residents.drop_prebound(pooled.handle.container_id)
@@ -367,6 +373,7 @@ class WarmPool:
         for conv, c in list(self.claimed.items()):
             if c.pooled.handle.name not in names:
                 del self.claimed[conv]
+        self._unsettled &= self.claimed.keys()
         for p in list(self.ready):
             if p.handle.name not in names:
                 self.ready.remove(p)
@@ -417,13 +424,15 @@ class WarmPool:
             await asyncio.shield(self.drain())
 
     async def _quiet(self) -> None:
-        """While claims come in, their turns go first (F3): refilling starts sandboxes and
-        formats images on the same cores. At most `REFILL_DEFER` seconds of waiting."""
+        """While claims come in and their first turns run, those turns go first (F3):
+        refilling starts sandboxes and formats images on the same cores (a burst's last
+        turns waited for a refill that began under them). At most `REFILL_DEFER` seconds
+        of waiting."""
         loop = asyncio.get_running_loop()
         until = loop.time() + REFILL_DEFER
         while loop.time() < until:
             calm = self._last_claim + REFILL_QUIET - loop.time()
-            if calm <= 0 and not self._claiming:
+            if calm <= 0 and not self._claiming and not self._unsettled:
                 return
             await asyncio.sleep(max(calm, 0.05))
 

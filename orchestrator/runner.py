@@ -241,6 +241,8 @@ class TurnRunner:
             raise TurnTimeout(timeout) from exc
         finally:
             self.observe("harness", conv.agent, time.perf_counter() - started)
+            if isinstance(rt.sandboxes, ConversationSandboxes) and rt.sandboxes.pool is not None:
+                rt.sandboxes.pool.settled(conv.id)
         sent = self.outbox.pending.take(conv.id)
         if sent:
             result = dataclasses.replace(

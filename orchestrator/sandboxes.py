@@ -127,6 +127,9 @@ class SandboxPool(Protocol):
 
     async def claim(self, spec: SandboxSpec) -> SandboxHandle | None: ...
 
+    def settled(self, conversation: str) -> None:
+        """The conversation's turn left its sandbox (F3: a refill may compete again)."""
+
 
 class ConversationSandboxes:
     """Ensures the sandbox of each conversation of one app agent.

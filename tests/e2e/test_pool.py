@@ -217,6 +217,32 @@ def test_F1_S3_mountpoints_made_ahead_show_only_what_the_plan_mounts(live: LiveG
         persona.write_bytes(kept)
 
 
+def test_F3_refill_waits_for_the_claimed_first_turn(live: LiveGateway) -> None:
+    """A claimed sandbox's first turn goes first: the pool starts no refill (containers,
+    quota images: the same cores) while it runs, and fills up once it is over."""
+    if live.runtime != "runc":
+        assert pool_of(live).refusal is not None  # no pool under gVisor: nothing to refill
+        return
+    pool = pool_of(live)
+    wait_ready(live, POOL["size"])
+    while pool._creating:
+        time.sleep(0.05)
+    chat = "pool-first-turn-first"
+    with concurrent.futures.ThreadPoolExecutor(1) as ex:
+        turn = ex.submit(live.run, chat, "sleep 2.5; echo slept")
+        deadline = time.monotonic() + 30
+        while not any(chat_in(c, live, chat) for c in pool.claimed.values()):
+            assert time.monotonic() < deadline and not turn.done(), "no claim for the turn"
+            time.sleep(0.02)
+        watch_until = time.monotonic() + 1.5  # the turn sleeps on well past this
+        while time.monotonic() < watch_until:
+            assert not pool._creating, "a refill started under the claimed first turn"
+            assert len(pool.ready) < POOL["size"]
+            time.sleep(0.02)
+        assert "slept" in turn.result()
+    wait_ready(live, POOL["size"])  # and then it refills
+
+
 def chat_in(c: Any, live: LiveGateway, chat: str) -> bool:
     return any(dir_of(live, chat) in t for t in c.plan.by_target())
 
