@@ -4,12 +4,15 @@
 Started once per sandbox (a detached exec, or by a pooled sandbox's first
 process when it is claimed), as the sandbox's user, with its environment and
 working directory, it connects to the gateway's socket in the bridge
-directory and runs one request at a time, exactly as an exec would:
-`timeout -k 2 <s>` around the command in a session of its own, the request's
+directory and runs one request at a time, exactly as an exec would (`timeout
+-k 2 <s> <command>`): the command in a session of its own, the request's
 environment (with the exec marker) over the sandbox's, its working directory,
 stdin written then closed, stdout and stderr kept up to the request's cap
-(the rest read and dropped), and on the deadline its process group and every
-process carrying the marker killed.
+(the rest read and dropped); after `<s>` whole seconds its process group gets
+SIGTERM (and SIGCONT), 2 s later SIGKILL, and the exit code is then 124 or
+137, as `timeout`'s would be (the runner keeps that clock itself: one process
+fewer to start per command); past the deadline its process group and every
+process carrying the marker are killed.
 
 Frames both ways: a 4-byte big-endian length, a header, then raw bytes (the
 request's stdin; the reply's stdout then stderr). The request's header is a
@@ -44,6 +47,8 @@ CONNECT_WAIT = 5.0
 CONNECT_POLL = 0.002
 SIGKILL = 9
 SIGPIPE = 13
+SIGTERM = 15
+SIGCONT = 18
 SIGXFSZ = 25
 CHUNK = 65536
 
@@ -77,14 +82,18 @@ def spawn(
     """Start `argv` in a new session (posix_spawn: no copy of this process); returns
     (pid, out fd, err fd, in fd or -1). Raises OSError when nothing could start (no
     process to spare, no such directory or program)."""
-    program = next(
-        (
-            os.path.join(d, argv[0])
-            for d in os.get_exec_path(env)
-            if d.startswith("/") and os.access(os.path.join(d, argv[0]), os.X_OK)
-        ),
-        None,
-    )
+    program: str | None = None
+    if "/" in argv[0]:
+        program = argv[0]  # as execvp: a path, from the working directory if relative
+    else:
+        program = next(
+            (
+                os.path.join(d, argv[0])
+                for d in os.get_exec_path(env)
+                if d.startswith("/") and os.access(os.path.join(d, argv[0]), os.X_OK)
+            ),
+            None,
+        )
     if program is None:  # never one in the (sandbox-writable) working directory
         raise FileNotFoundError(2, f"{argv[0]} is not on PATH")
     here = os.open(".", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
@@ -120,6 +129,14 @@ def spawn(
         for fd in (w_out, w_err, r_in):
             os.close(fd)
     return pid, r_out, r_err, w_in
+
+
+def signal_group(pid: int, sig: int) -> None:
+    """Signal the command's session (started with setsid: its group is its pid)."""
+    try:  # noqa: SIM105 - no contextlib: every import is start-up time
+        os.killpg(pid, sig)
+    except OSError:
+        pass
 
 
 def wait_exit(pid: int, block_for: float, pidfd: int = -1) -> int | None:
@@ -159,8 +176,9 @@ def run(req: dict[str, Any], stdin: bytes | None) -> tuple[dict[str, Any], bytes
     extra = req["env"]
     if not isinstance(args, list) or not isinstance(extra, dict):
         return {"code": 126, "timed_out": False}, b"", b"cellgate-runner: bad request\n"
-    argv = ["timeout", "-k", str(KILL_AFTER), str(max(1, -int(-timeout // 1)))]
-    argv += [str(a) for a in args]
+    argv = [str(a) for a in args]
+    if not argv:
+        return {"code": 126, "timed_out": False}, b"", b"cellgate-runner: bad request\n"
     env = dict(os.environ)
     env.update({str(k): str(v) for k, v in extra.items()})
     name, _, value = marker.partition("=")
@@ -188,11 +206,14 @@ def run(req: dict[str, Any], stdin: bytes | None) -> tuple[dict[str, Any], bytes
     if pidfd >= 0:
         poll.register(pidfd, select.POLLIN)  # wakes the loop the moment it exits
     started = time.monotonic()
+    term_at = started + max(1, -int(-timeout // 1))  # whole seconds, as `timeout` counts
+    kill_at = term_at + KILL_AFTER
     deadline = started + timeout + KILL_AFTER + GRACE
     open_fds = {r_out, r_err} | ({w_in} if w_in >= 0 else set())
     exited_at = None
     code = None
     deadline_hit = False
+    signalled = 0
     while open_fds:
         now = time.monotonic()
         if now >= deadline:
@@ -202,9 +223,18 @@ def run(req: dict[str, Any], stdin: bytes | None) -> tuple[dict[str, Any], bytes
             code = wait_exit(pid, 0)
             if code is not None:
                 exited_at = now
+        if code is None and signalled != SIGKILL:
+            if now >= kill_at:
+                signal_group(pid, SIGKILL)
+                signalled = SIGKILL
+            elif now >= term_at and not signalled:
+                signal_group(pid, SIGTERM)
+                signal_group(pid, SIGCONT)  # a stopped command gets it too
+                signalled = SIGTERM
         if exited_at is not None and now - exited_at > AFTER_EXIT:
             break  # a background child holds the pipes: the command itself is done
-        for fd, _ in poll.poll(int(min(deadline - now, 0.05) * 1000) + 1):
+        wake = min(deadline, kill_at if signalled else term_at) - now
+        for fd, _ in poll.poll(int(min(max(wake, 0), 0.05) * 1000) + 1):
             if fd == pidfd:
                 poll.unregister(fd)  # it exited: the next round reaps it
                 continue
@@ -243,8 +273,9 @@ def run(req: dict[str, Any], stdin: bytes | None) -> tuple[dict[str, Any], bytes
         code = -1
     if pidfd >= 0:
         os.close(pidfd)
-    spent = time.monotonic() - started
-    timed_out = deadline_hit or (spent >= timeout and code in (124, 137))
+    if signalled and not deadline_hit:
+        code = 137 if signalled == SIGKILL else 124  # as `timeout` exits
+    timed_out = deadline_hit or bool(signalled)
     if timed_out and not deadline_hit:
         kill_marked(marker)
     for fd in (r_out, r_err, w_in):
@@ -253,9 +284,6 @@ def run(req: dict[str, Any], stdin: bytes | None) -> tuple[dict[str, Any], bytes
                 os.close(fd)
             except OSError:
                 pass
-    if code == 125 and not out and bytes(err).startswith(b"timeout: "):
-        # `timeout` itself failed (no process to spare): nothing ran, exec decides
-        return {"spawn_failed": True, "code": 125}, b"", bytes(err)
     return {"code": -1 if deadline_hit else code, "timed_out": timed_out}, bytes(out), bytes(err)
 
 

@@ -21,7 +21,7 @@ pytestmark = pytest.mark.docker
 
 CAP = 4096
 ANCESTRY = (
-    "gp=$(cut -d' ' -f4 /proc/$PPID/stat); tr '\\0' ' ' < /proc/$gp/cmdline; echo; "
+    "tr '\\0' ' ' < /proc/$PPID/cmdline; echo; "
     'id -u; id -g; pwd; echo "mode=$APP_MODE x=$X home=$HOME"'
 )
 # the pattern is split so that this script's own command line does not match it
@@ -89,6 +89,21 @@ async def test_F2_output_cap_and_timeout_kill_the_group(sandbox: Any) -> None:
         inner, handle, "for p in /proc/[0-9]*; do tr '\\0' ' ' < $p/cmdline; echo; done"
     )
     assert b"sleep 30" not in left.stdout, left.stdout
+
+
+async def test_F2_timeout_ends_the_command_as_exec_does(sandbox: Any) -> None:
+    """The runner keeps `timeout -k 2`'s clock itself (no `timeout` process per command):
+    a command that ends on SIGTERM exits 124, one that ignores it is killed 2 s later
+    (137); both timed out, exactly as through exec."""
+    inner, residents, handle, _ = sandbox
+    cases = (("trap 'exit 0' TERM; sleep 30 & wait", 124), ("trap '' TERM; sleep 4; sleep 4", 137))
+    for script, code in cases:
+        via_runner = await _exec(residents, handle, script, limit=1)
+        via_exec = await _exec(inner, handle, script, limit=1)
+        assert (via_runner.exit_code, via_runner.timed_out) == (code, True), script
+        assert (via_exec.exit_code, via_exec.timed_out) == (code, True), script
+    quick = await _exec(residents, handle, "exit 124", limit=5)  # its own 124: no timeout
+    assert (quick.exit_code, quick.timed_out) == (124, False)
 
 
 async def test_F2_killed_runner_falls_back_to_exec_and_comes_back(sandbox: Any) -> None:
