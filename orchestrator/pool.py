@@ -240,8 +240,7 @@ class WarmPool:
         if self.residents is None or bridge is None:
             self.binder.bind_plan(pooled.slot, plan)
             return False
-        self.residents.install(Path(bridge.source))
-        self.binder.bind_plan(pooled.slot, plan)
+        self.binder.bind_plan(pooled.slot, plan)  # its runner comes from the slot
         try:  # listening before the runner starts: it connects at its first try
             self.residents.prebind(Path(bridge.source), pooled.handle.container_id)
         except OSError as exc:
@@ -490,7 +489,8 @@ class WarmPools:
 
         # one slot root per agent: a pool's sweep releases slots it does not hold, so
         # two pools must never see each other's
-        binder = LateBinder(self._root / sb.app.agent)
+        runner = self._residents.runner_files() if self._residents is not None else None
+        binder = LateBinder(self._root / sb.app.agent, runner)
         pool = WarmPool(sb, self._settings, self._ops, binder, room=self.room, current=current)
         pool.residents = self._residents
         if sb.quota is not None and not isinstance(sb.quota, SparedQuota):

@@ -30,6 +30,7 @@ from importlib import resources
 from pathlib import Path
 
 from cellgate.errors import CellgateError
+from orchestrator.bounded import LruMap
 from orchestrator.safefs import SafeDir
 from sandbox.backends.base import (
     ExecResult,
@@ -70,6 +71,8 @@ class ResidentBackend(SandboxBackend):
         self._tasks: set[asyncio.Task[None]] = set()
         self._starters: dict[str, Callable[[], bool]] = {}
         self._triggered: set[str] = set()
+        # pooled sandboxes whose runner came from their slot: a relaunch installs it first
+        self._pooled: LruMap[str, bool] = LruMap(max_runners)
         # F1: runner sockets a claim bound in its control thread, until the turn serves them
         self._prebound: OrderedDict[str, RunnerSocket] = OrderedDict()
         self._prebound_lock = threading.Lock()
@@ -92,7 +95,7 @@ class ResidentBackend(SandboxBackend):
             try:
                 rs = self._take_prebound(cid, bridge_dir)
                 if rs is None:
-                    if cid not in self._starters:  # a claim installed it already (F1)
+                    if cid not in self._starters:  # a pooled one's comes from its slot (F1)
                         await asyncio.to_thread(self.install, bridge_dir)
                     rs = RunnerSocket(bridge_dir, cid, self.inner._output_cap)
                 await rs.listen()
@@ -108,7 +111,7 @@ class ResidentBackend(SandboxBackend):
             return
         if not rs.ready and self._launches.get(cid, 0) < MAX_LAUNCHES:
             self._launches[cid] = self._launches.get(cid, 0) + 1
-            task = asyncio.create_task(self._launch(handle, spec.user))
+            task = asyncio.create_task(self._launch(handle, spec.user, bridge_dir))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
 
@@ -123,6 +126,7 @@ class ResidentBackend(SandboxBackend):
         while len(self._starters) >= self.max_runners:
             self._starters.pop(next(iter(self._starters)))
         self._starters[container_id] = start
+        self._pooled.put(container_id, True)
 
     def prebind(self, bridge_dir: Path, container_id: str) -> None:
         """At a claim, in its control thread: the sandbox's runner socket bound and
@@ -154,14 +158,20 @@ class ResidentBackend(SandboxBackend):
             return None
         return rs
 
+    def runner_files(self) -> dict[str, bytes]:
+        """The runner's script and its code: what a slot holds for its pooled sandbox."""
+        return {RUNNER_NAME: self._script, RUNNER_CODE_NAME: self._code}
+
     def install(self, bridge_dir: Path) -> None:
         """Put the runner's script into the conversation's bridge directory (read-only inside)."""
         with SafeDir.open(bridge_dir) as d:
             d.write_atomic(RUNNER_NAME, self._script, mode=0o755, durable=False)
             d.write_atomic(RUNNER_CODE_NAME, self._code, mode=0o644, durable=False)
 
-    async def _launch(self, handle: SandboxHandle, user: str) -> None:
+    async def _launch(self, handle: SandboxHandle, user: str, bridge_dir: Path) -> None:
         try:
+            if self._pooled.pop(handle.container_id):  # its first runner came from its slot
+                await asyncio.to_thread(self.install, bridge_dir)
             await self.ops.launch(handle, user, list(RUNNER_ARGV))
         except CellgateError as exc:
             logger.info("could not start the runner in %s: %s", handle.name, exc)
@@ -183,6 +193,7 @@ class ResidentBackend(SandboxBackend):
         self._launches.pop(cid, None)
         self._starters.pop(cid, None)
         self._triggered.discard(cid)
+        self._pooled.pop(cid)
         self.drop_prebound(cid)
         if rs is not None:
             await rs.close()

@@ -32,10 +32,12 @@ works here.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import secrets
 import stat
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
@@ -169,10 +171,13 @@ class Slot:
 class LateBinder:
     """The slot and stage roots of one gateway under `root` (root-only, 0700)."""
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, bridge_files: Mapping[str, bytes] | None = None) -> None:
         self.root = root
         self.slots = root / "slots"
         self.stage = root / "stage"
+        # written into every slot's bridge dir (the runner a pooled sandbox opens before
+        # its claim, F2), removed with the slot
+        self.bridge_files = dict(bridge_files or {})
         self._ready = False
 
     def setup(self) -> None:
@@ -198,6 +203,8 @@ class LateBinder:
             for d in slot.dirs().values():
                 d.mkdir(mode=0o755)
             os.mkfifo(slot.root / "bridge" / CLAIM_FIFO, 0o644)
+            for name, data in self.bridge_files.items():
+                _write_new(slot.root / "bridge" / name, data)
             root = str(slot.root)
             for target, kind in made:
                 _mountpoint(_slot_place(root, target), kind, root)
@@ -275,6 +282,11 @@ class LateBinder:
             return False
         detach(str(slot.root))  # the slot's own shared mount
         mounted = {p for p in mountpoints() if p.startswith(str(slot.root))}
+        bridge = slot.root / "bridge"
+        if str(bridge) not in mounted:
+            for name in self.bridge_files:  # ours: written by `new_slot`
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(bridge / name)
         return _prune(slot.root, mounted, 0)
 
     def teardown(self) -> None:
@@ -343,6 +355,16 @@ def _mountpoint(place: str, kind: EntryKind, within: str) -> None:
         mode = os.lstat(place).st_mode
         if (kind is EntryKind.DIR) != stat.S_ISDIR(mode) or stat.S_ISLNK(mode):
             raise LateBindError(f"{place} is in the way") from None
+
+
+def _write_new(path: Path, data: bytes) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+    finally:
+        os.close(fd)
 
 
 def _unmake(root: str, extra: set[tuple[str, EntryKind]]) -> None:

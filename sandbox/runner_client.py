@@ -237,6 +237,31 @@ def runner_loader(bridge: str) -> str:
     )
 
 
+CODE_FD, SOURCE_FD = 3, 4
+
+
+def runner_fd_loader() -> str:
+    """The `python3 -c` program of a pooled sandbox: the runner's code on descriptor 3
+    (compiled by this gateway's Python: used when the sandbox's has the same tag) or its
+    source on descriptor 4, both opened from the sandbox's slot before its claim. A claim
+    then writes no runner into the conversation's bridge directory (F3)."""
+    tag = sys.implementation.cache_tag
+    return (
+        "import sys,marshal,posix\n"
+        "def r(fd):\n"
+        " b=b''\n"
+        " while 1:\n"
+        "  c=posix.read(fd,65536)\n"
+        "  if not c:posix.close(fd);return b\n"
+        "  b+=c\n"
+        f"k,s=r({CODE_FD}),r({SOURCE_FD})\n"
+        f"c=marshal.loads(k) if sys.implementation.cache_tag=={tag!r} "
+        f"else compile(s,{RUNNER_NAME!r},'exec')\n"
+        "del k,s,r\n"
+        "exec(c,{'__name__':'__main__'})"
+    )
+
+
 def runner_code(source: bytes) -> bytes:
     """The runner's code object, marshalled for `runner_loader` (same tag only)."""
     return marshal.dumps(compile(source, RUNNER_NAME, "exec", dont_inherit=True))

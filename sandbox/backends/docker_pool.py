@@ -25,7 +25,14 @@ from sandbox.backends.docker import DockerBackend, _ExecJob, create_kwargs, obse
 from sandbox.latebind import CLAIM_FIFO
 from sandbox.mountplan import BRIDGE, MountPlan
 from sandbox.pool import read_view, view_violations
-from sandbox.runner_client import runner_loader
+from sandbox.runner_client import (
+    CODE_FD,
+    RUNNER_CODE_NAME,
+    RUNNER_NAME,
+    SOURCE_FD,
+    runner_fd_loader,
+    runner_loader,
+)
 from sandbox.spec import SandboxSpec
 from sandbox.verify import ObservedContainer, violations
 
@@ -33,13 +40,17 @@ T = TypeVar("T")
 
 SUPPORTED_RUNTIMES = (None, "runc")
 RUNNER_ARGV = ("python3", "-I", "-S", "-c", runner_loader(str(BRIDGE)))
-# A pooled sandbox's first process: it waits (reading the slot's claim FIFO, no
-# CPU) until its claim is complete, runs the resident runner from the bridge dir
-# the claim bound, and keeps the sandbox alive if the runner ends.
+POOL_RUNNER_ARGV = ("python3", "-I", "-S", "-c", runner_fd_loader())
+# A pooled sandbox's first process: it opens the runner its slot holds, waits
+# (reading the slot's claim FIFO, no CPU) until its claim is complete, runs the
+# resident runner from those descriptors (the claim's bind hides the slot's
+# files), and keeps the sandbox alive if the runner ends.
 POOL_COMMAND = (
     "/bin/sh",
     "-c",
-    f"read _ < {BRIDGE}/{CLAIM_FIFO}; {shlex.join(RUNNER_ARGV)} 2>/dev/null; exec sleep infinity",
+    f"exec {CODE_FD}< {BRIDGE}/{RUNNER_CODE_NAME} {SOURCE_FD}< {BRIDGE}/{RUNNER_NAME}; "
+    f"read _ < {BRIDGE}/{CLAIM_FIFO}; {shlex.join(POOL_RUNNER_ARGV)} 2>/dev/null; "
+    f"exec {CODE_FD}<&- {SOURCE_FD}<&- sleep infinity",
 )
 
 

@@ -24,6 +24,7 @@ from typing import Any
 
 import pytest
 
+from cellgate.models import ConversationKey
 from orchestrator.apps import install_app
 from orchestrator.config import write_config_document
 from orchestrator.pool import WarmPool
@@ -241,6 +242,39 @@ def test_F3_refill_waits_for_the_claimed_first_turn(live: LiveGateway) -> None:
             time.sleep(0.02)
         assert "slept" in turn.result()
     wait_ready(live, POOL["size"])  # and then it refills
+
+
+PARENT = "tr '\\0' ' ' < /proc/$PPID/cmdline; echo"
+KILL_RUNNER = (  # the runner alone (a pooled sandbox's first shell names it too)
+    "for p in /proc/[0-9]*; do case \"$(tr '\\0' ' ' < $p/cmdline 2>/dev/null)\" in "
+    "python3*) kill -9 ${p#/proc/};; esac; done; true"
+)
+
+
+def test_F1_F2_pooled_runner_comes_from_its_slot_and_comes_back_when_killed(
+    live: LiveGateway,
+) -> None:
+    """A claim writes no runner into the conversation's bridge dir: the pooled sandbox's
+    runner comes from its slot (opened before the claim). Killed by the sandbox, the
+    turns fall back to exec and the runner is installed and started again."""
+    if live.runtime != "runc":
+        assert pool_of(live).refusal is not None  # cold under gVisor, turns by exec
+        return
+    wait_ready(live, 1)
+    chat = "pool-runner-slot"
+    first = live.run(chat, PARENT)
+    assert any(chat_in(c, live, chat) for c in pool_of(live).claimed.values())
+    assert "cellgate-runner" in first  # the turn ran through the runner
+    bridge = live.state_dir / "agents" / live.agent / "bridge"
+    own = bridge / ConversationKey(live.agent, "api", chat).digest
+    assert own.is_dir() and not (own / "cellgate-runner").exists()
+    live.say(chat, KILL_RUNNER)  # the runner dies under its own command: that turn fails
+    assert "cellgate-runner" not in live.run(chat, PARENT).split("\n")[0]  # by exec
+    deadline = time.monotonic() + 30
+    while "cellgate-runner" not in live.run(chat, PARENT).split("\n")[0]:
+        assert time.monotonic() < deadline, "the runner did not come back"
+        time.sleep(0.2)
+    assert (own / "cellgate-runner").is_file()
 
 
 def chat_in(c: Any, live: LiveGateway, chat: str) -> bool:

@@ -9,7 +9,13 @@ import subprocess
 import sys
 from pathlib import Path
 
-from sandbox.runner_client import RUNNER_CODE_NAME, RUNNER_NAME, runner_code, runner_loader
+from sandbox.runner_client import (
+    RUNNER_CODE_NAME,
+    RUNNER_NAME,
+    runner_code,
+    runner_fd_loader,
+    runner_loader,
+)
 
 SOURCE = (Path(__file__).parents[2] / "sandbox" / "client" / "cellgate_runner.py").read_bytes()
 
@@ -42,5 +48,41 @@ def test_F2_runner_starts_from_the_precompiled_code_of_its_tag(tmp_path: Path) -
     (tmp_path / RUNNER_CODE_NAME).write_bytes(runner_code(marker))
     proc, conn = _start(tmp_path, sys.executable)
     assert conn.recv(16) == b"code"
+    conn.close()
+    assert proc.wait(20) == 0
+
+
+def _start_from_fds(
+    tmp: Path, code: bytes, source: bytes
+) -> tuple[subprocess.Popen[bytes], socket.socket]:
+    """As a pooled sandbox's shell does: the runner's code on fd 3, its source on fd 4."""
+    sock_path = tmp / "runner.sock"
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(str(sock_path))
+    listener.listen(1)
+    listener.settimeout(20)
+    (tmp / "k").write_bytes(code)
+    (tmp / "s").write_bytes(source)
+    proc = subprocess.Popen(
+        ["/bin/sh", "-c", 'exec 3<"$1" 4<"$2"; exec "$0" -I -S -c "$3" "$4"',
+         sys.executable, str(tmp / "k"), str(tmp / "s"), runner_fd_loader(), str(sock_path)],
+    )  # fmt: skip
+    conn, _ = listener.accept()
+    listener.close()
+    return proc, conn
+
+
+def test_F1_F2_pooled_runner_starts_from_its_slots_descriptors(tmp_path: Path) -> None:
+    """The code on fd 3 when the tag matches (its source is never compiled), and both
+    descriptors closed before the runner runs (no command it starts inherits them)."""
+    marker = (
+        b"import _socket,sys,posix\n"
+        b"fds=bytes([posix.access('/proc/self/fd/3', 0), posix.access('/proc/self/fd/4', 0)])\n"
+        b"s=_socket.socket(1,1); s.connect(sys.argv[1])\n"
+        b"s.send(b'code' + fds)\n"
+    )
+    source = b"raise SystemExit('the source was compiled')\n"
+    proc, conn = _start_from_fds(tmp_path, runner_code(marker), source)
+    assert conn.recv(16) == b"code\0\0"
     conn.close()
     assert proc.wait(20) == 0
