@@ -236,11 +236,10 @@ class WarmPool:
         prepared, and connects at its first try. Nothing is sent to it before the turn's
         sandbox is verified: a claim refused here closes the socket (`_retire`) and leaves
         a runner with nothing to serve, in a sandbox that is removed."""
+        self.binder.bind_plan(pooled.slot, plan)  # its runner comes from the slot
         bridge = plan.by_target().get(str(BRIDGE))
         if self.residents is None or bridge is None:
-            self.binder.bind_plan(pooled.slot, plan)
             return False
-        self.binder.bind_plan(pooled.slot, plan)  # its runner comes from the slot
         try:  # listening before the runner starts: it connects at its first try
             self.residents.prebind(Path(bridge.source), pooled.handle.container_id)
         except OSError as exc:

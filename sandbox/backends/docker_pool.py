@@ -41,14 +41,16 @@ T = TypeVar("T")
 SUPPORTED_RUNTIMES = (None, "runc")
 RUNNER_ARGV = ("python3", "-I", "-S", "-c", runner_loader(str(BRIDGE)))
 POOL_RUNNER_ARGV = ("python3", "-I", "-S", "-c", runner_fd_loader())
-# A pooled sandbox's first process: it opens the runner its slot holds, waits
-# (reading the slot's claim FIFO, no CPU) until its claim is complete, runs the
-# resident runner from those descriptors (the claim's bind hides the slot's
-# files), and keeps the sandbox alive if the runner ends.
+# A pooled sandbox's first process: it opens the runner its slot holds (none
+# when the resident runner is off: nothing then triggers it), waits (reading the
+# slot's claim FIFO, no CPU) until its claim is complete, runs the resident
+# runner from those descriptors (the claim's bind hides the slot's files), and
+# keeps the sandbox alive if the runner ends.
+_CODE, _SOURCE = f"{BRIDGE}/{RUNNER_CODE_NAME}", f"{BRIDGE}/{RUNNER_NAME}"
 POOL_COMMAND = (
     "/bin/sh",
     "-c",
-    f"exec {CODE_FD}< {BRIDGE}/{RUNNER_CODE_NAME} {SOURCE_FD}< {BRIDGE}/{RUNNER_NAME}; "
+    f"[ -r {_CODE} ] && exec {CODE_FD}< {_CODE} {SOURCE_FD}< {_SOURCE}; "
     f"read _ < {BRIDGE}/{CLAIM_FIFO}; {shlex.join(POOL_RUNNER_ARGV)} 2>/dev/null; "
     f"exec {CODE_FD}<&- {SOURCE_FD}<&- sleep infinity",
 )

@@ -4,11 +4,17 @@ it does not. Run here with the host's python3 in place of a sandbox's."""
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+from sandbox.backends.docker_pool import POOL_COMMAND
+from sandbox.latebind import CLAIM_FIFO
+from sandbox.mountplan import BRIDGE
 from sandbox.runner_client import (
     RUNNER_CODE_NAME,
     RUNNER_NAME,
@@ -86,3 +92,32 @@ def test_F1_F2_pooled_runner_starts_from_its_slots_descriptors(tmp_path: Path) -
     assert conn.recv(16) == b"code\0\0"
     conn.close()
     assert proc.wait(20) == 0
+
+
+@pytest.mark.parametrize("with_runner", [True, False])
+def test_F1_pooled_first_process_waits_and_outlives_its_runner(
+    tmp_path: Path, with_runner: bool
+) -> None:
+    """The pooled sandbox's first shell, run here with the slot's bridge dir in place of
+    /run/cellgate: with or without a runner in its slot (the resident runner off) it
+    waits on the claim FIFO, and once claimed it keeps the sandbox alive whatever the
+    runner does."""
+    bridge = tmp_path / "bridge"
+    bridge.mkdir()
+    os.mkfifo(bridge / CLAIM_FIFO)
+    if with_runner:
+        (bridge / RUNNER_NAME).write_bytes(SOURCE)
+        (bridge / RUNNER_CODE_NAME).write_bytes(runner_code(b"raise SystemExit(0)\n"))
+    shell, flag, script = POOL_COMMAND
+    script = script.replace(str(BRIDGE), str(bridge)).replace("python3 ", f"{sys.executable} ")
+    proc = subprocess.Popen([shell, flag, script])
+    try:
+        with pytest.raises(subprocess.TimeoutExpired):
+            proc.wait(0.5)  # waiting for its claim
+        with open(bridge / CLAIM_FIFO, "w") as fifo:
+            fifo.write("\n")
+        with pytest.raises(subprocess.TimeoutExpired):
+            proc.wait(1.0)  # the runner ended (or never was): the sandbox lives on
+    finally:
+        proc.kill()
+        proc.wait()
