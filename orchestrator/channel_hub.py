@@ -34,7 +34,7 @@ from orchestrator.agents import Agents
 from orchestrator.config import DiscordSettings, GatewayConfig, LineSettings, TelegramSettings
 from orchestrator.intake import Intake
 from orchestrator.sandboxes import memory_held
-from orchestrator.store import ConversationId, MessageId, MessageState, Store
+from orchestrator.store import ConversationId, MessageId, MessageState, Store, conversation_id
 from orchestrator.transcripts import save_session_id
 from orchestrator.turns import TurnLoop
 
@@ -212,20 +212,14 @@ class ChannelInbox:
         if message.command == "reset":
             await self.start_reset(message)
             return
-        key = ConversationKey(message.agent, message.channel, message.chat_id)
-        if message.attachments:
-            conv = await asyncio.to_thread(self.store.upsert_conversation, key)
-            for a in message.attachments:
-                await asyncio.to_thread(
-                    self.store.remember_attachment, conv.id, a.ref, platform=message.channel
-                )
-        msg, created = await self.intake.submit(
+        msg, created = await self.intake.submit(  # admitted first: a refused one stores nothing
             message.agent,
             message.channel,
             message.chat_id,
             attachment_notes(message),
             message_id=message.message_id,
             sender=message.sender,
+            files=[(a.ref, message.channel) for a in message.attachments],
         )
         if created:
             self._show_typing(message, msg.id)
@@ -255,14 +249,14 @@ class ChannelInbox:
         the chat's running turn in a task of its own, so the channel's other chats are
         never held up behind it. A second `/reset` while one waits joins it."""
         key = ConversationKey(message.agent, message.channel, message.chat_id)
-        conv = await asyncio.to_thread(self.store.upsert_conversation, key)
 
         async def none_pending() -> int:
             return 0
 
-        await self.intake.gate.admit(
-            key.agent, key.channel, key.chat_id, message.sender, conv.id, none_pending
+        await self.intake.gate.admit(  # before anything is stored (R4)
+            key.agent, key.channel, key.chat_id, message.sender, conversation_id(key), none_pending
         )
+        conv = await asyncio.to_thread(self.store.upsert_conversation, key)
         if conv.id in self._resets:
             return
         if len(self._resets) >= MAX_PENDING_RESETS:

@@ -9,7 +9,9 @@ before anyone is told it was accepted (D1); the turn loop picks it up there.
 from __future__ import annotations
 
 import asyncio
+import functools
 import uuid
+from collections.abc import Sequence
 
 from cellgate.models import ConversationKey
 from orchestrator.admission import MessageGate
@@ -37,8 +39,10 @@ class Intake:
         *,
         message_id: str | None = None,
         sender: str = "",
+        files: Sequence[tuple[str, str]] = (),
     ) -> tuple[Message, bool]:
-        """Store the message (idempotent on its platform id) and queue its turn."""
+        """Store the message (idempotent on its platform id), with the (file id, platform)
+        of each attachment it brought (P3), and queue its turn."""
         self.agents.runnable(agent_id)
         key = ConversationKey(agent_id, channel, chat_id)
         conv = conversation_id(key)
@@ -49,7 +53,14 @@ class Intake:
         # admitted first: a refused message (a flood of new chats) makes no conversation row
         await self.gate.admit(agent_id, channel, chat_id, sender, conv, pending)
         msg, created = await asyncio.to_thread(
-            self.store.accept_new, key, message_id or uuid.uuid4().hex, sender=sender, text=text
+            functools.partial(
+                self.store.accept_new,
+                key,
+                message_id or uuid.uuid4().hex,
+                sender=sender,
+                text=text,
+                files=files,
+            )
         )
         self.loop.wake(conv)
         return msg, created

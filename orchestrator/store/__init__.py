@@ -23,7 +23,7 @@ from orchestrator.store._base import Clock
 from orchestrator.store.admin import AdminMixin
 from orchestrator.store.channels import ChannelsMixin
 from orchestrator.store.db import DB_FILE, Database
-from orchestrator.store.messages import conversation_id
+from orchestrator.store.messages import ATTACHMENT_LEDGER_SIZE, conversation_id
 from orchestrator.store.models import (
     PENDING_STATES,
     ApiKey,
@@ -51,7 +51,6 @@ from orchestrator.store.models import (
     Turn,
     TurnId,
 )
-from orchestrator.store.resources import ATTACHMENT_LEDGER_SIZE
 from orchestrator.store.threads import ThreadsMixin
 
 __all__ = [

@@ -40,6 +40,7 @@ from orchestrator.store.models import (
     ReplyId,
 )
 
+ATTACHMENT_LEDGER_SIZE = 200  # P3: the newest 200 file ids per chat
 _PENDING_SQL = ",".join(f"'{s.value}'" for s in PENDING_STATES)
 _MESSAGE_STATE_SQL = "SELECT state FROM messages WHERE id = ?"
 
@@ -52,6 +53,27 @@ def conversation_id(key: ConversationKey) -> ConversationId:
     """
     raw = f"{key.agent}\0{key.channel}\0{key.chat_id}".encode("utf-8", "surrogatepass")
     return ConversationId(hashlib.sha256(raw).hexdigest()[:32])
+
+
+def remember(
+    c: sqlite3.Connection, conversation: ConversationId, file_id: str, platform: str, now: float
+) -> None:
+    """`remember_attachment` inside the caller's write transaction."""
+    c.execute(
+        "DELETE FROM attachments WHERE conversation_id = ? AND platform = ? AND file_id = ?",
+        (conversation, platform, file_id),
+    )
+    c.execute(
+        "INSERT INTO attachments (conversation_id, platform, file_id, delivered_at)"
+        " VALUES (?, ?, ?, ?)",
+        (conversation, platform, file_id, now),
+    )
+    c.execute(
+        "DELETE FROM attachments WHERE conversation_id = ?1 AND platform = ?2"
+        " AND seq NOT IN (SELECT seq FROM attachments WHERE conversation_id = ?1"
+        " AND platform = ?2 ORDER BY seq DESC LIMIT ?3)",
+        (conversation, platform, ATTACHMENT_LEDGER_SIZE),
+    )
 
 
 def _upsert(c: sqlite3.Connection, key: ConversationKey, now: float) -> Conversation:
@@ -189,14 +211,22 @@ class MessagesMixin(StoreBase):
             )
 
     def accept_new(
-        self, key: ConversationKey, platform_message_id: str, *, sender: str, text: str
+        self,
+        key: ConversationKey,
+        platform_message_id: str,
+        *,
+        sender: str,
+        text: str,
+        files: Sequence[tuple[str, str]] = (),
     ) -> tuple[Message, bool]:
-        """`upsert_conversation` and `accept_message` in one transaction (one commit, one
-        sync): a message admitted from a chat that may be new (R4: a refused one makes
-        no conversation row)."""
+        """`upsert_conversation`, `remember_attachment` of each (file id, platform) of
+        `files` and `accept_message` in one transaction (one commit, one sync): a message
+        admitted from a chat that may be new (R4: a refused one stores nothing at all)."""
         now = self._now()
         with self._db.write() as c:
             conv = _upsert(c, key, now)
+            for file_id, platform in files:
+                remember(c, conv.id, file_id, platform, now)
             return _insert_message(c, conv.id, platform_message_id, sender, text, (), now)
 
     def find_message(

@@ -7,6 +7,7 @@ import sqlite3
 
 from cellgate.errors import NotFound, StateConflict
 from orchestrator.store._base import opt_ts, sha256_hex, ts
+from orchestrator.store.messages import remember
 from orchestrator.store.models import (
     ConversationId,
     Sandbox,
@@ -17,7 +18,6 @@ from orchestrator.store.models import (
 )
 from orchestrator.store.sessions import SessionsMixin
 
-ATTACHMENT_LEDGER_SIZE = 200  # P3: the newest 200 file ids per chat
 _SHARE_ID_PREFIX = "sh_"
 
 
@@ -183,22 +183,7 @@ class ResourcesMixin(SessionsMixin):
         Seeing a file id again makes it the newest. Insert and prune are one transaction.
         """
         with self._db.write() as c:
-            c.execute(
-                "DELETE FROM attachments WHERE conversation_id = ? AND platform = ?"
-                " AND file_id = ?",
-                (conversation, platform, file_id),
-            )
-            c.execute(
-                "INSERT INTO attachments (conversation_id, platform, file_id, delivered_at)"
-                " VALUES (?, ?, ?, ?)",
-                (conversation, platform, file_id, self._now()),
-            )
-            c.execute(
-                "DELETE FROM attachments WHERE conversation_id = ?1 AND platform = ?2"
-                " AND seq NOT IN (SELECT seq FROM attachments WHERE conversation_id = ?1"
-                " AND platform = ?2 ORDER BY seq DESC LIMIT ?3)",
-                (conversation, platform, ATTACHMENT_LEDGER_SIZE),
-            )
+            remember(c, conversation, file_id, platform, self._now())
 
     def attachment_known(
         self, conversation: ConversationId, file_id: str, *, platform: str = "telegram"

@@ -78,7 +78,13 @@ class IntakeStore(ConversationStore, RefusalStore, Protocol):
     ) -> tuple[Message, bool]: ...
 
     def accept_new(
-        self, key: ConversationKey, platform_message_id: str, *, sender: str, text: str
+        self,
+        key: ConversationKey,
+        platform_message_id: str,
+        *,
+        sender: str,
+        text: str,
+        files: Sequence[tuple[str, str]] = (),
     ) -> tuple[Message, bool]: ...
 
     def pending_for_conversation(self, conversation: ConversationId) -> list[Message]: ...

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from cellgate.errors import SandboxesBusy, Throttled
-from cellgate.models import ConversationKey
+from cellgate.models import Attachment, ConversationKey, InboundMessage
 from orchestrator.admission import LiveSandbox, MessageGate, SandboxGate, default_max_sandboxes
 from orchestrator.config import Admission, load_config, write_config_document
 from orchestrator.gateway import Gateway
@@ -254,11 +254,24 @@ async def test_R4_refused_messages_from_new_chats_store_nothing(tmp_path: Path) 
             assert created
             admitted.append((f"flood-{i}", msg))
         assert len(admitted) == 3  # the burst
+        for i in range(40):  # the same sender through a channel, a photo in each message
+            photo = Attachment("photo", f"file-{i}")
+            inbound = InboundMessage(
+                "floody", "api", f"pic-{i}", f"m{i}", "", "mallory", None, (photo,)
+            )
+            with pytest.raises(Throttled):
+                await gw.inbox(inbound)
         convs = gw.store.conversations("floody")
         assert sorted(c.chat_id for c in convs) == sorted(chat for chat, _ in admitted)
+        count = gw.store._db.connection().execute("SELECT count(*) FROM attachments")
+        assert count.fetchone()[0] == 0
         for chat, msg in admitted:
             key = ConversationKey("floody", "api", chat)
             found = gw.store.find_message(conversation_id(key), msg.platform_message_id)
             assert found is not None and (found.id, found.text) == (msg.id, "hi")
+        photo = Attachment("photo", "file-ok")
+        await gw.inbox(InboundMessage("floody", "api", "pic-ok", "ok", "", "alice", None, (photo,)))
+        conv = conversation_id(ConversationKey("floody", "api", "pic-ok"))
+        assert gw.store.attachment_known(conv, "file-ok", platform="api")  # another sender
     finally:
         await gw.close()
