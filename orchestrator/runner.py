@@ -195,7 +195,6 @@ class TurnRunner:
         else:
             place = await self.place_in_sandbox(rt, conv, key, session_id, sandbox)
         paths = place.paths
-        await asyncio.to_thread(install_client, paths.bridge_dir)
         scope = BridgeScope.for_conversation(
             key,
             session_id,
@@ -257,8 +256,10 @@ class TurnRunner:
         conv_id: ConversationId,
         shown_workspace: PurePosixPath,
     ) -> tuple[str, list[dict[str, str]], str | None]:
-        """The turn's host files, in one worker-thread job (F3: one hop, not four): the
-        composed system prompt (written to the session's home), recent history, resume id."""
+        """The turn's host files, in one worker-thread job (F3: one hop, not five): the
+        bridge's clients, the composed system prompt (written to the session's home),
+        recent history, resume id."""
+        install_client(paths.bridge_dir)
         system_prompt = self.compose(rt, paths.workspace, paths.chat_dir, conv_id, shown_workspace)
         write_session_files(paths.home_dir, system_prompt)
         d3 = audit_left_out(self.store, conv_id, "D3")
