@@ -42,7 +42,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Protocol
+from typing import Any, NoReturn, Protocol
 
 from cellgate.errors import CellgateError, UnsafePath
 
@@ -99,6 +99,21 @@ _SHOWN = {
 
 def _not_regular(rel: str, kind: str) -> UnsafePath:
     return UnsafePath(rel, kind, f"is {_SHOWN.get(kind, kind)}, not a regular file")
+
+
+def _raise_open_failed(rel: str, name: str, dir_fd: int, exc: OSError) -> NoReturn:
+    """Raise why opening `name`, a regular file when stat'ed a moment ago, failed.
+
+    A path flipped to a symlink and back between that stat, the open and this
+    look is regular again: a swap. An error of a regular file (no descriptors
+    left, no permission) is raised as it is.
+    """
+    kind = kind_of(os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode)
+    if kind != "regular":
+        raise _not_regular(rel, kind) from exc
+    if exc.errno in (errno.ELOOP, errno.ENXIO, errno.ENOTDIR):
+        raise UnsafePath(rel, "swapped", "was replaced while it was being opened") from exc
+    raise exc
 
 
 def split_rel(rel: str) -> list[str]:
@@ -474,8 +489,7 @@ class SafeDir:
             except FileNotFoundError:
                 raise
             except OSError as exc:
-                now = os.stat(name, dir_fd=parent.fd, follow_symlinks=False)
-                raise _not_regular(shown, kind_of(now.st_mode)) from exc
+                _raise_open_failed(shown, name, parent.fd, exc)
         try:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode):
@@ -583,8 +597,7 @@ class SafeDir:
             except OSError as exc:
                 if isinstance(exc, FileNotFoundError):
                     raise
-                now = os.stat(name, dir_fd=self.fd, follow_symlinks=False)
-                raise _not_regular(shown, kind_of(now.st_mode)) from exc
+                _raise_open_failed(shown, name, self.fd, exc)
         try:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode):

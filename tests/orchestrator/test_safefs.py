@@ -285,6 +285,39 @@ def test_P5_swap_race_never_yields_outside_bytes(tree: Tree) -> None:
     assert tree.secret.read_bytes() == SECRET
 
 
+@pytest.mark.parametrize("op", ["read", "append"])
+def test_P5_flip_and_back_during_open_is_a_swap(
+    tree: Tree, op: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """P5: a path that is a symlink at the open and regular again at the look after is 'swapped'.
+
+    The flip happens inside os.open (the window the race test hits by chance);
+    a regular file's own error (no descriptors left) is raised as it is.
+    """
+    import errno
+
+    import orchestrator.safefs as safefs
+
+    (tree.base / "x").write_bytes(b"PUBLIC")
+    real_open = os.open
+    failures = [OSError(errno.ELOOP, "flipped"), OSError(errno.EMFILE, "no descriptors left")]
+
+    def flipping_open(path: Any, flags: int, *args: Any, **kw: Any) -> int:
+        if path == "x" and failures:
+            raise failures.pop(0)
+        return real_open(path, flags, *args, **kw)
+
+    monkeypatch.setattr(safefs.os, "open", flipping_open)
+    with SafeDir.open(tree.base) as d:
+        run = (lambda: d.read("x")) if op == "read" else (lambda: d.append("x", b"!"))
+        with pytest.raises(UnsafePath) as refused:
+            run()
+        assert refused.value.kind == "swapped"
+        with pytest.raises(OSError) as plain:
+            run()
+        assert not isinstance(plain.value, UnsafePath) and plain.value.errno == errno.EMFILE
+
+
 def test_M6_append_creates_and_appends_without_a_link(tree: Tree) -> None:
     with SafeDir.open(tree.base) as d:
         assert d.append("MEMORY.md", b"a\n") == 2
