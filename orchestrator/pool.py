@@ -40,7 +40,7 @@ from orchestrator.sandboxes import ConversationSandboxes, limits_from, sandbox_e
 from orchestrator.spare_quota import SparedQuota
 from sandbox.backends.base import SandboxHandle, SandboxNotFound
 from sandbox.backends.docker import DockerBackend
-from sandbox.backends.docker_pool import DockerPoolOps, late_bind_refusal
+from sandbox.backends.docker_pool import DockerPoolOps, engine_init, late_bind_refusal
 from sandbox.latebind import LateBinder, LateBindError, Skeleton, Slot, skeleton
 from sandbox.mountplan import BRIDGE, MountPlan
 from sandbox.pool import POOL_NAME_INFIX, pool_key, pooled_spec
@@ -328,7 +328,7 @@ class WarmPool:
             spec = await asyncio.to_thread(pooled_spec, template, slot)
             # shielded: a drain meanwhile (shutdown, re-template) takes it over, waits
             # for it and removes what it made; the slot and trigger are then the drain's
-            create = asyncio.ensure_future(self.ops.create(spec))
+            create = asyncio.ensure_future(self.ops.create(spec, own_init=self.binder.own_init))
             self._pending[create] = (slot, trigger, spec)
             handle = await asyncio.shield(create)
         except (CellgateError, OSError) as exc:
@@ -472,6 +472,7 @@ class WarmPools:
         assert isinstance(backend, DockerBackend)
         self._root = state_dir / "pool" / gateway_id
         self._ops = DockerPoolOps(backend)
+        self._init = engine_init()  # once per process (cached): a pooled sandbox's init
         for agent_id in list(agents):
             self._add(agent_id)
 
@@ -489,7 +490,7 @@ class WarmPools:
         # one slot root per agent: a pool's sweep releases slots it does not hold, so
         # two pools must never see each other's
         runner = self._residents.runner_files() if self._residents is not None else None
-        binder = LateBinder(self._root / sb.app.agent, runner)
+        binder = LateBinder(self._root / sb.app.agent, runner, self._init)
         pool = WarmPool(sb, self._settings, self._ops, binder, room=self.room, current=current)
         pool.residents = self._residents
         if sb.quota is not None and not isinstance(sb.quota, SparedQuota):

@@ -24,6 +24,11 @@ in the slot (`move_mount`), so the sandbox never sees a read-only mount as
 writable. A kernel without those calls (before 5.12) gets the same through
 a bind in the private `<root>/stage`, remounted there, then moved.
 
+A pooled sandbox waits for its claim as a single process: its init (the
+engine's own tini, copied once to `<root>/slots/.init` and linked into each
+slot's bridge directory) is exec'ed by that process only when it is claimed,
+so an idle pooled sandbox costs what a plain `sleep` container does (F1).
+
 `release` detaches every mount under a slot and removes its empty mountpoints
 (never recursing into anything still mounted: conversation data is never
 deleted through a slot). Needs root (CAP_SYS_ADMIN); `probe` says whether it
@@ -34,6 +39,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import logging
 import os
 import secrets
 import stat
@@ -64,9 +70,15 @@ SLOT_TARGETS: tuple[tuple[str, PurePosixPath], ...] = (
     ("bridge", BRIDGE),
 )
 MAX_DEPTH = 32
+logger = logging.getLogger(__name__)
 # In the slot's bridge directory: the pooled sandbox's first process waits on it
 # (zero CPU) until the claim is complete, then starts the resident runner (F2).
 CLAIM_FIFO = ".claim"
+# In the slot's bridge directory when the pool gives its sandboxes their init itself
+# (the engine's own, linked from `<root>/slots/.init`): a pooled sandbox waits for its
+# claim as one process, and becomes the init `--init` would have run only then.
+INIT_NAME = ".init"
+MAX_INIT_SIZE = 16 << 20
 
 
 class LateBindError(SandboxError):
@@ -171,23 +183,46 @@ class Slot:
 class LateBinder:
     """The slot and stage roots of one gateway under `root` (root-only, 0700)."""
 
-    def __init__(self, root: Path, bridge_files: Mapping[str, bytes] | None = None) -> None:
+    def __init__(
+        self,
+        root: Path,
+        bridge_files: Mapping[str, bytes] | None = None,
+        init: Path | None = None,
+    ) -> None:
         self.root = root
         self.slots = root / "slots"
         self.stage = root / "stage"
         # written into every slot's bridge dir (the runner a pooled sandbox opens before
         # its claim, F2), removed with the slot
         self.bridge_files = dict(bridge_files or {})
+        # an init binary (tini) linked into every slot's bridge dir: `own_init` after setup
+        self.init = init
         self._ready = False
 
+    @property
+    def own_init(self) -> bool:
+        """Do this binder's slots hold the init their sandboxes become at claim?"""
+        return self._ready and self.init is not None
+
     def setup(self) -> None:
-        """Make `slots` and `stage` private mounts; raises `LateBindError`."""
+        """Make `slots` and `stage` private mounts, and place the init; raises `LateBindError`.
+
+        No init is placed (`own_init` False: the engine's `--init` then) when the
+        slots' filesystem is mounted noexec: the sandbox could not run it."""
         if self._ready:
             return
         self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
         os.chmod(self.root, 0o700)
         _self_bind(self.stage, MS_PRIVATE)
         _self_bind(self.slots, MS_PRIVATE)
+        if self.init is not None:
+            try:
+                if os.statvfs(self.slots).f_flag & os.ST_NOEXEC:
+                    raise LateBindError(f"{self.slots} is on a noexec filesystem")
+                _place_init(self.init, self.slots / INIT_NAME)
+            except (OSError, LateBindError) as exc:
+                logger.warning("pooled sandboxes get the engine's init: %s", exc)
+                self.init = None
         self._ready = True
 
     def new_slot(self, made: Skeleton = ()) -> Slot:
@@ -199,9 +234,11 @@ class LateBinder:
         slot = Slot(self.slots / secrets.token_hex(8), made)
         slot.root.mkdir(mode=0o755)
         try:
-            _self_bind(slot.root, MS_SHARED)
             for d in slot.dirs().values():
                 d.mkdir(mode=0o755)
+            if self.own_init:  # linked before the slot is a mount of its own (EXDEV)
+                os.link(self.slots / INIT_NAME, slot.root / "bridge" / INIT_NAME)
+            _self_bind(slot.root, MS_SHARED)
             os.mkfifo(slot.root / "bridge" / CLAIM_FIFO, 0o644)
             for name, data in self.bridge_files.items():
                 _write_new(slot.root / "bridge" / name, data)
@@ -284,7 +321,7 @@ class LateBinder:
         mounted = {p for p in mountpoints() if p.startswith(str(slot.root))}
         bridge = slot.root / "bridge"
         if str(bridge) not in mounted:
-            for name in self.bridge_files:  # ours: written by `new_slot`
+            for name in [*self.bridge_files, INIT_NAME]:  # ours: placed by `new_slot`
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(bridge / name)
         return _prune(slot.root, mounted, 0)
@@ -365,6 +402,24 @@ def _write_new(path: Path, data: bytes) -> None:
             view = view[os.write(fd, view) :]
     finally:
         os.close(fd)
+
+
+def _place_init(source: Path, dest: Path) -> None:
+    """Copy the init binary to `dest` (root's, 0555), atomically: slots made before
+    keep the copy they link."""
+    tmp = dest.with_name(f"{dest.name}.{secrets.token_hex(4)}")
+    with open(source, "rb") as f:
+        data = f.read(MAX_INIT_SIZE + 1)
+    if len(data) > MAX_INIT_SIZE or not data.startswith(b"\x7fELF"):
+        raise LateBindError(f"{source} is not an init binary")
+    try:
+        _write_new(tmp, data)
+        os.chmod(tmp, 0o555)  # noqa: S103 (read-only; run by the sandbox's user)
+        os.replace(tmp, dest)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
 
 
 def _unmake(root: str, extra: set[tuple[str, EntryKind]]) -> None:

@@ -11,8 +11,13 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
+import os
 import shlex
+import shutil
+import subprocess
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, TypeVar
 
 import docker
@@ -22,7 +27,7 @@ import docker.types
 from cellgate.errors import MountVerificationFailed, SandboxError
 from sandbox.backends.base import SandboxHandle, SandboxNotFound
 from sandbox.backends.docker import DockerBackend, _ExecJob, create_kwargs, observe
-from sandbox.latebind import CLAIM_FIFO
+from sandbox.latebind import CLAIM_FIFO, INIT_NAME
 from sandbox.mountplan import BRIDGE, MountPlan
 from sandbox.pool import read_view, view_violations
 from sandbox.runner_client import (
@@ -47,13 +52,41 @@ POOL_RUNNER_ARGV = ("python3", "-I", "-S", "-c", runner_fd_loader())
 # runner from those descriptors (the claim's bind hides the slot's files), and
 # keeps the sandbox alive if the runner ends.
 _CODE, _SOURCE = f"{BRIDGE}/{RUNNER_CODE_NAME}", f"{BRIDGE}/{RUNNER_NAME}"
-POOL_COMMAND = (
+_OPEN = f"[ -r {_CODE} ] && exec {CODE_FD}< {_CODE} {SOURCE_FD}< {_SOURCE}; "
+_WAIT = f"read _ < {BRIDGE}/{CLAIM_FIFO}; "
+_RUN = (
+    f"{shlex.join(POOL_RUNNER_ARGV)} 2>/dev/null; exec {CODE_FD}<&- {SOURCE_FD}<&- sleep infinity"
+)
+POOL_COMMAND = ("/bin/sh", "-c", _OPEN + _WAIT + _RUN)
+# The same, created without the engine's init when the slot holds one (F1, idle
+# memory): the waiting shell is PID 1 alone, and at its claim it execs the init
+# (as PID 1, as `--init` runs it) with the rest as its child.
+INIT_FD = 5
+POOL_COMMAND_OWN_INIT = (
     "/bin/sh",
     "-c",
-    f"[ -r {_CODE} ] && exec {CODE_FD}< {_CODE} {SOURCE_FD}< {_SOURCE}; "
-    f"read _ < {BRIDGE}/{CLAIM_FIFO}; {shlex.join(POOL_RUNNER_ARGV)} 2>/dev/null; "
-    f"exec {CODE_FD}<&- {SOURCE_FD}<&- sleep infinity",
+    f"{_OPEN}exec {INIT_FD}< {BRIDGE}/{INIT_NAME}; {_WAIT}"
+    f"exec /proc/self/fd/{INIT_FD} -- /bin/sh -c {shlex.quote(f'exec {INIT_FD}<&-; ' + _RUN)}",
 )
+
+
+@functools.cache
+def engine_init() -> Path | None:
+    """The engine's init binary on this host (tini, what `--init` runs), if it runs here.
+
+    A pool links it into its slots (`LateBinder(init=...)`); None: the engine's `--init`."""
+    for candidate in (shutil.which("docker-init"), "/usr/libexec/docker/docker-init"):
+        if not candidate:
+            continue
+        try:
+            done = subprocess.run(
+                [candidate, "--version"], capture_output=True, timeout=5, check=False
+            )
+        except (OSError, subprocess.SubprocessError):
+            continue
+        if done.returncode == 0 and done.stdout.startswith(b"tini version"):
+            return Path(os.path.realpath(candidate))
+    return None
 
 
 def late_bind_refusal(runtime: str | None) -> str | None:
@@ -74,9 +107,13 @@ class DockerPoolOps:
     def __init__(self, backend: DockerBackend) -> None:
         self.backend = backend
 
-    async def create(self, spec: SandboxSpec) -> SandboxHandle:
-        """Create and start the pooled sandbox of `spec`, verified (S2, R5); removed on failure."""
-        handle = await self.backend._call(f"create pooled {spec.name}", lambda: self._create(spec))
+    async def create(self, spec: SandboxSpec, *, own_init: bool = False) -> SandboxHandle:
+        """Create and start the pooled sandbox of `spec`, verified (S2, R5); removed on failure.
+
+        `own_init`: its slot holds the init it execs at claim (`POOL_COMMAND_OWN_INIT`)."""
+        handle = await self.backend._call(
+            f"create pooled {spec.name}", lambda: self._create(spec, own_init)
+        )
         self.backend._remember_user(handle.container_id, spec.user)
         try:
             await self.check(spec, handle, None)
@@ -85,9 +122,10 @@ class DockerPoolOps:
             raise
         return handle
 
-    def _create(self, spec: SandboxSpec) -> SandboxHandle:
+    def _create(self, spec: SandboxSpec, own_init: bool) -> SandboxHandle:
         kwargs: dict[str, Any] = create_kwargs(spec)
-        kwargs["command"] = list(POOL_COMMAND)
+        kwargs["command"] = list(POOL_COMMAND_OWN_INIT if own_init else POOL_COMMAND)
+        kwargs["init"] = not own_init
         kwargs["mounts"] = [
             docker.types.Mount(
                 m.target, m.source, type="bind", read_only=m.read_only, propagation="rslave"

@@ -30,6 +30,7 @@ from orchestrator.config import write_config_document
 from orchestrator.pool import WarmPool
 from orchestrator.store.db import Database
 from sandbox.backends.docker import DockerBackend
+from sandbox.backends.docker_pool import INIT_FD
 from sandbox.latebind import LateBinder, slot_path
 from sandbox.spec import LABEL_GATEWAY
 from tests.e2e.conftest import (
@@ -275,6 +276,33 @@ def test_F1_F2_pooled_runner_comes_from_its_slot_and_comes_back_when_killed(
         assert time.monotonic() < deadline, "the runner did not come back"
         time.sleep(0.2)
     assert (own / "cellgate-runner").is_file()
+
+
+def test_F1_idle_pooled_sandbox_waits_alone_and_its_claim_has_an_init(live: LiveGateway) -> None:
+    """Idle memory (F1): a pooled sandbox waits as one process, no init beside it.
+    Claimed, its PID 1 is the engine's init from its slot (as `--init` runs it), and a
+    command's orphan is reaped: no zombie is left."""
+    if live.runtime != "runc":
+        assert pool_of(live).refusal is not None
+        return
+    wait_ready(live, 1)
+    pool = pool_of(live)
+    assert pool.binder.own_init
+    idle = pool.ready[0].handle.container_id
+    procs = live.docker.api.top(idle)["Processes"]
+    assert len(procs) == 1 and "/bin/sh" in procs[0][-1], procs
+    chat = "pool-own-init"
+    reply = live.run(
+        chat,
+        "sh -c 'sleep 0.3 & exit'; sleep 1.5;"
+        " echo INIT:$(tr '\\0' ' ' < /proc/1/cmdline | head -c 40);"
+        " echo ZOMBIES:$(for s in /proc/[0-9]*/stat; do cut -d' ' -f3 $s; done 2>/dev/null"
+        " | grep -c Z)",
+    )
+    assert any(chat_in(c, live, chat) for c in pool.claimed.values())
+    lines = dict(ln.split(":", 1) for ln in reply.splitlines() if ln.startswith(("INIT:", "ZOM")))
+    assert lines["INIT"].startswith(f"/proc/self/fd/{INIT_FD} -- /bin/sh -c"), reply
+    assert lines["ZOMBIES"] == "0", reply
 
 
 def chat_in(c: Any, live: LiveGateway, chat: str) -> bool:

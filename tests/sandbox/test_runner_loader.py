@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from sandbox.backends.docker_pool import POOL_COMMAND
-from sandbox.latebind import CLAIM_FIFO
+from sandbox.backends.docker_pool import POOL_COMMAND, POOL_COMMAND_OWN_INIT, engine_init
+from sandbox.latebind import CLAIM_FIFO, INIT_NAME
 from sandbox.mountplan import BRIDGE
 from sandbox.runner_client import (
     RUNNER_CODE_NAME,
@@ -121,3 +121,47 @@ def test_F1_pooled_first_process_waits_and_outlives_its_runner(
     finally:
         proc.kill()
         proc.wait()
+
+
+@pytest.mark.docker  # the engine's init binary comes with the engine
+def test_F1_pooled_first_process_waits_alone_and_becomes_init_at_claim(tmp_path: Path) -> None:
+    """With its slot holding the engine's init, the pooled first shell waits as the one
+    process (idle memory: no init beside it), and at its claim the same process becomes
+    that init, which keeps the runner and then the keep-alive as its children."""
+    init = engine_init()
+    assert init is not None, "no docker-init (tini) on this host"
+    bridge = tmp_path / "bridge"
+    bridge.mkdir()
+    os.mkfifo(bridge / CLAIM_FIFO)
+    (bridge / INIT_NAME).write_bytes(init.read_bytes())
+    os.chmod(bridge / INIT_NAME, 0o555)
+    (bridge / RUNNER_NAME).write_bytes(SOURCE)
+    (bridge / RUNNER_CODE_NAME).write_bytes(runner_code(b"raise SystemExit(0)\n"))
+    shell, flag, script = POOL_COMMAND_OWN_INIT
+    script = script.replace(str(BRIDGE), str(bridge)).replace("python3 ", f"{sys.executable} ")
+    proc = subprocess.Popen([shell, flag, script], stderr=subprocess.DEVNULL)
+    try:
+        with pytest.raises(subprocess.TimeoutExpired):
+            proc.wait(0.5)  # waiting for its claim, alone
+        assert os.path.realpath(f"/proc/{proc.pid}/exe") == os.path.realpath(shell)
+        assert not _children(proc.pid)
+        with open(bridge / CLAIM_FIFO, "w") as fifo:
+            fifo.write("\n")
+        with pytest.raises(subprocess.TimeoutExpired):
+            proc.wait(1.0)  # the runner ended: the sandbox lives on
+        # the same pid, now the init
+        assert os.path.realpath(f"/proc/{proc.pid}/exe") == str(bridge / INIT_NAME)
+        [keeper] = _children(proc.pid)
+        argv = Path(f"/proc/{keeper}/cmdline").read_bytes().split(b"\0")
+        assert argv[:2] == [b"sleep", b"infinity"], argv
+        held = {os.readlink(f"/proc/{keeper}/fd/{fd}") for fd in os.listdir(f"/proc/{keeper}/fd")}
+        assert str(bridge / INIT_NAME) not in held  # the init's descriptor is not handed down
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def _children(pid: int) -> list[int]:
+    path = f"/proc/{pid}/task/{pid}/children"
+    with open(path, encoding="ascii") as f:
+        return [int(c) for c in f.read().split()]
