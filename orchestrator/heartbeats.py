@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 from cellgate.errors import CellgateError
 from cellgate.models import ConversationKey
-from orchestrator.agents import Agents
+from orchestrator.agents import AgentRuntime, Agents
 from orchestrator.config import HeartbeatSettings
 from orchestrator.harnesses.base import TurnResult
 from orchestrator.memory import heartbeat_targets
@@ -51,28 +51,36 @@ class Heartbeats:
         keys = list(dict.fromkeys(conversation_key(c) for c in convs if c is not None))
         done: list[tuple[ConversationKey, TurnResult]] = []
         for target in heartbeat_targets(agent_id, keys):
-            conv = await asyncio.to_thread(self.store.upsert_conversation, target.conversation)
-            async with self.loop.conversation_lock(conv.id):
-                session_id = await self.runner.session_for(conv, rt)
-                turn = await asyncio.to_thread(self.store.start_turn, session_id, None)
-                ok = False
-                try:
-                    result = await self.runner.execute(rt, conv, session_id, prompt, [])
-                    ok = result.ok
-                    await asyncio.to_thread(
-                        self.runner.save_turn,
-                        rt,
-                        conv,
-                        session_id,
-                        "heartbeat",
-                        prompt,
-                        None,
-                        result,
-                    )
-                finally:
-                    await asyncio.to_thread(self.store.finish_turn, turn.id, ok=ok)
+            try:
+                result = await self._beat(rt, target.conversation, prompt)
+            except Exception:  # one conversation's failure never skips the others' heartbeats
+                logger.exception("heartbeat in a conversation of %s failed", agent_id)
+                continue
             done.append((target.conversation, result))
         return done
+
+    async def _beat(self, rt: AgentRuntime, key: ConversationKey, prompt: str) -> TurnResult:
+        conv = await asyncio.to_thread(self.store.upsert_conversation, key)
+        async with self.loop.conversation_lock(conv.id):
+            session_id = await self.runner.session_for(conv, rt)
+            turn = await asyncio.to_thread(self.store.start_turn, session_id, None)
+            ok = False
+            try:
+                result = await self.runner.execute(rt, conv, session_id, prompt, [])
+                ok = result.ok
+                await asyncio.to_thread(
+                    self.runner.save_turn,
+                    rt,
+                    conv,
+                    session_id,
+                    "heartbeat",
+                    prompt,
+                    None,
+                    result,
+                )
+            finally:
+                await asyncio.to_thread(self.store.finish_turn, turn.id, ok=ok)
+        return result
 
     async def run_forever(self) -> None:
         """Every agent with a `heartbeat` block, on its schedule."""

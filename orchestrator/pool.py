@@ -63,7 +63,7 @@ class Pooled:
     spec: SandboxSpec
     handle: SandboxHandle
     key: str
-    trigger: int  # the slot's claim FIFO, held open: a byte starts the runner (F2)
+    trigger: int  # the slot's claim FIFO, held open: a byte ends the wait (its init, runner)
 
     def start_runner(self) -> bool:
         if self.trigger < 0:
@@ -239,6 +239,7 @@ class WarmPool:
         self.binder.bind_plan(pooled.slot, plan)  # its runner comes from the slot
         bridge = plan.by_target().get(str(BRIDGE))
         if self.residents is None or bridge is None:
+            pooled.start_runner()  # no runner: the claim still ends the wait (its init)
             return False
         try:  # listening before the runner starts: it connects at its first try
             self.residents.prebind(Path(bridge.source), pooled.handle.container_id)
@@ -371,10 +372,12 @@ class WarmPool:
         for conv, c in list(self.claimed.items()):
             if c.pooled.handle.name not in names:
                 del self.claimed[conv]
+                c.pooled.close()  # its claim FIFO's descriptor (open when the runner is off)
         self._unsettled &= self.claimed.keys()
         for p in list(self.ready):
             if p.handle.name not in names:
                 self.ready.remove(p)
+                p.close()
         held = {p.slot.id for p in self.ready} | {c.pooled.slot.id for c in self.claimed.values()}
         for slot_id in await asyncio.to_thread(self.binder.slot_ids):
             if slot_id in held or slot_id in self._creating or slot_id in self._claiming:

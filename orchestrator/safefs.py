@@ -105,15 +105,19 @@ def _raise_open_failed(rel: str, name: str, dir_fd: int, exc: OSError) -> NoRetu
     """Raise why opening `name`, a regular file when stat'ed a moment ago, failed.
 
     A path flipped to a symlink and back between that stat, the open and this
-    look is regular again: a swap. An error of a regular file (no descriptors
-    left, no permission) is raised as it is.
+    look is regular again: a swap. A regular file the sandbox keeps from being
+    opened (a lease: EWOULDBLOCK; no permission) is refused as `unopenable`;
+    only the gateway's own shortage (no descriptors or memory left) is raised
+    as it is.
     """
     kind = kind_of(os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode)
     if kind != "regular":
         raise _not_regular(rel, kind) from exc
     if exc.errno in (errno.ELOOP, errno.ENXIO, errno.ENOTDIR):
         raise UnsafePath(rel, "swapped", "was replaced while it was being opened") from exc
-    raise exc
+    if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOMEM):
+        raise exc
+    raise UnsafePath(rel, "unopenable", f"cannot be opened: {exc.strerror or exc}") from exc
 
 
 def split_rel(rel: str) -> list[str]:

@@ -104,9 +104,16 @@ class SandboxKeeper:
             idle_minutes=self.settings.sandbox_idle_minutes,
             now=self.clock,
             guard=self._guard,
-            scope=lambda info: info.labels.get(LABEL_APP) in self.agents.app_names(),
+            scope=self._reapable,
             on_removed=functools.partial(self.removed, release=release),
         )
+
+    def _reapable(self, info: SandboxInfo) -> bool:
+        """An app this gateway serves, and not a spare its warm pool holds (F1: a pooled
+        sandbox no conversation has claimed yet has no last turn to be idle since)."""
+        if info.labels.get(LABEL_APP) not in self.agents.app_names():
+            return False
+        return not (self.pooled(info.name) and self.claimed_by(info.name) is None)
 
     async def _sessions_in(self, sb: Sandbox) -> list[Session]:
         """The live sessions running in `sb`: its conversation's, or for the app's one

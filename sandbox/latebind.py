@@ -25,8 +25,8 @@ writable. A kernel without those calls (before 5.12) gets the same through
 a bind in the private `<root>/stage`, remounted there, then moved.
 
 A pooled sandbox waits for its claim as a single process: its init (the
-engine's own tini, copied once to `<root>/slots/.init` and linked into each
-slot's bridge directory) is exec'ed by that process only when it is claimed,
+engine's own tini, copied into the slot's bridge directory) is exec'ed by
+that process only when it is claimed,
 so an idle pooled sandbox costs what a plain `sleep` container does (F1).
 
 `release` detaches every mount under a slot and removes its empty mountpoints
@@ -75,8 +75,8 @@ logger = logging.getLogger(__name__)
 # (zero CPU) until the claim is complete, then starts the resident runner (F2).
 CLAIM_FIFO = ".claim"
 # In the slot's bridge directory when the pool gives its sandboxes their init itself
-# (the engine's own, linked from `<root>/slots/.init`): a pooled sandbox waits for its
-# claim as one process, and becomes the init `--init` would have run only then.
+# (a copy of the engine's own): a pooled sandbox waits for its claim as one process,
+# and becomes the init `--init` would have run only then.
 INIT_NAME = ".init"
 MAX_INIT_SIZE = 16 << 20
 
@@ -195,8 +195,11 @@ class LateBinder:
         # written into every slot's bridge dir (the runner a pooled sandbox opens before
         # its claim, F2), removed with the slot
         self.bridge_files = dict(bridge_files or {})
-        # an init binary (tini) linked into every slot's bridge dir: `own_init` after setup
+        # an init binary (tini) copied into every slot's bridge dir: `own_init` after setup.
+        # A copy of its own, not a link: a link count shared by every slot would tell a
+        # claimed sandbox how many sandboxes of its app are live.
         self.init = init
+        self._init_data = b""
         self._ready = False
 
     @property
@@ -219,7 +222,7 @@ class LateBinder:
             try:
                 if os.statvfs(self.slots).f_flag & os.ST_NOEXEC:
                     raise LateBindError(f"{self.slots} is on a noexec filesystem")
-                _place_init(self.init, self.slots / INIT_NAME)
+                self._init_data = _read_init(self.init)
             except (OSError, LateBindError) as exc:
                 logger.warning("pooled sandboxes get the engine's init: %s", exc)
                 self.init = None
@@ -234,14 +237,14 @@ class LateBinder:
         slot = Slot(self.slots / secrets.token_hex(8), made)
         slot.root.mkdir(mode=0o755)
         try:
+            _self_bind(slot.root, MS_SHARED)
             for d in slot.dirs().values():
                 d.mkdir(mode=0o755)
-            if self.own_init:  # linked before the slot is a mount of its own (EXDEV)
-                os.link(self.slots / INIT_NAME, slot.root / "bridge" / INIT_NAME)
-            _self_bind(slot.root, MS_SHARED)
             os.mkfifo(slot.root / "bridge" / CLAIM_FIFO, 0o644)
             for name, data in self.bridge_files.items():
                 _write_new(slot.root / "bridge" / name, data)
+            if self.own_init:
+                _write_new(slot.root / "bridge" / INIT_NAME, self._init_data, 0o555)
             root = str(slot.root)
             for target, kind in made:
                 _mountpoint(_slot_place(root, target), kind, root)
@@ -394,9 +397,10 @@ def _mountpoint(place: str, kind: EntryKind, within: str) -> None:
             raise LateBindError(f"{place} is in the way") from None
 
 
-def _write_new(path: Path, data: bytes) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+def _write_new(path: Path, data: bytes, mode: int = 0o644) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
     try:
+        os.fchmod(fd, mode)  # whatever the umask
         view = memoryview(data)
         while view:
             view = view[os.write(fd, view) :]
@@ -404,22 +408,13 @@ def _write_new(path: Path, data: bytes) -> None:
         os.close(fd)
 
 
-def _place_init(source: Path, dest: Path) -> None:
-    """Copy the init binary to `dest` (root's, 0555), atomically: slots made before
-    keep the copy they link."""
-    tmp = dest.with_name(f"{dest.name}.{secrets.token_hex(4)}")
+def _read_init(source: Path) -> bytes:
+    """The init binary's bytes (a static ELF executable, at most MAX_INIT_SIZE)."""
     with open(source, "rb") as f:
         data = f.read(MAX_INIT_SIZE + 1)
     if len(data) > MAX_INIT_SIZE or not data.startswith(b"\x7fELF"):
         raise LateBindError(f"{source} is not an init binary")
-    try:
-        _write_new(tmp, data)
-        os.chmod(tmp, 0o555)  # noqa: S103 (read-only; run by the sandbox's user)
-        os.replace(tmp, dest)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
+    return data
 
 
 def _unmake(root: str, extra: set[tuple[str, EntryKind]]) -> None:

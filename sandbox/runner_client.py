@@ -29,6 +29,7 @@ import struct
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import TypeGuard
 
 from sandbox.backends.base import ExecResult
 from sandbox.unix_listener import UnixListener
@@ -207,12 +208,15 @@ class RunnerSocket:
         (size,) = HEADER.unpack(await reader.readexactly(HEADER.size))
         if size > MAX_REPLY_HEADER:
             raise ValueError(f"reply header of {size} bytes")
-        head = json.loads(await reader.readexactly(size))
+        try:  # hostile bytes: deep nesting (RecursionError) is a lost runner too
+            head = json.loads(await reader.readexactly(size))
+        except RecursionError as exc:
+            raise ValueError("a reply nested too deep") from exc
         if not isinstance(head, dict) or head.get("id") != rid:
             raise ValueError("a reply to another request")
-        out_len, err_len = int(head["out_len"]), int(head["err_len"])
-        if not (0 <= out_len <= self.output_cap and 0 <= err_len <= self.output_cap):
-            raise ValueError("reply longer than the output cap")
+        out_len, err_len = head.get("out_len"), head.get("err_len")
+        if not (_count(out_len, self.output_cap) and _count(err_len, self.output_cap)):
+            raise ValueError("reply lengths missing, not counts, or over the output cap")
         out = await reader.readexactly(out_len)
         err = await reader.readexactly(err_len)
         if head.get("spawn_failed") is True:
@@ -221,6 +225,11 @@ class RunnerSocket:
         if not isinstance(code, int) or isinstance(code, bool):
             raise ValueError("reply without an exit code")
         return ExecResult(code, out, err, timed_out=head.get("timed_out") is True)
+
+
+def _count(value: object, cap: int) -> TypeGuard[int]:
+    """Is `value` a plain int in 0..cap (not a bool, a float, a string or a list)?"""
+    return type(value) is int and 0 <= value <= cap
 
 
 def runner_loader(bridge: str) -> str:

@@ -16,6 +16,7 @@ import os
 import shlex
 import shutil
 import subprocess
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
@@ -52,12 +53,19 @@ POOL_RUNNER_ARGV = ("python3", "-I", "-S", "-c", runner_fd_loader())
 # runner from those descriptors (the claim's bind hides the slot's files), and
 # keeps the sandbox alive if the runner ends.
 _CODE, _SOURCE = f"{BRIDGE}/{RUNNER_CODE_NAME}", f"{BRIDGE}/{RUNNER_NAME}"
-_OPEN = f"[ -r {_CODE} ] && exec {CODE_FD}< {_CODE} {SOURCE_FD}< {_SOURCE}; "
+_OPEN = f"r=; [ -r {_CODE} ] && exec {CODE_FD}< {_CODE} {SOURCE_FD}< {_SOURCE} && r=1; "
 _WAIT = f"read _ < {BRIDGE}/{CLAIM_FIFO}; "
-_RUN = (
-    f"{shlex.join(POOL_RUNNER_ARGV)} 2>/dev/null; exec {CODE_FD}<&- {SOURCE_FD}<&- sleep infinity"
-)
-POOL_COMMAND = ("/bin/sh", "-c", _OPEN + _WAIT + _RUN)
+
+
+def _run(flag: str) -> str:
+    """The runner (when its slot held one: `flag` non-empty), then the keep-alive."""
+    return (
+        f'[ -n "{flag}" ] && {shlex.join(POOL_RUNNER_ARGV)} 2>/dev/null; '
+        f"exec {CODE_FD}<&- {SOURCE_FD}<&- sleep infinity"
+    )
+
+
+POOL_COMMAND = ("/bin/sh", "-c", _OPEN + _WAIT + _run("$r"))
 # The same, created without the engine's init when the slot holds one (F1, idle
 # memory): the waiting shell is PID 1 alone, and at its claim it execs the init
 # (as PID 1, as `--init` runs it) with the rest as its child.
@@ -66,8 +74,29 @@ POOL_COMMAND_OWN_INIT = (
     "/bin/sh",
     "-c",
     f"{_OPEN}exec {INIT_FD}< {BRIDGE}/{INIT_NAME}; {_WAIT}"
-    f"exec /proc/self/fd/{INIT_FD} -- /bin/sh -c {shlex.quote(f'exec {INIT_FD}<&-; ' + _RUN)}",
+    f"exec /proc/self/fd/{INIT_FD} -- /bin/sh -c "
+    f'{shlex.quote(f"exec {INIT_FD}<&-; " + _run("$1"))} sh "$r"',
 )
+# How long a new pooled sandbox's first shell may take to wait on its claim FIFO
+WAITING_TIMEOUT = 10.0
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children", encoding="ascii") as f:
+            return [int(c) for c in f.read().split()]
+    except OSError:
+        return []
+
+
+def _open_files(pid: int) -> set[str]:
+    """What process `pid` has open, as paths in its own mount namespace."""
+    out = set()
+    with contextlib.suppress(OSError):
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            with contextlib.suppress(OSError):
+                out.add(os.readlink(f"/proc/{pid}/fd/{fd}"))
+    return out
 
 
 @functools.cache
@@ -117,10 +146,29 @@ class DockerPoolOps:
         self.backend._remember_user(handle.container_id, spec.user)
         try:
             await self.check(spec, handle, None)
-        except MountVerificationFailed:
+            await self.backend._call(
+                f"wait for pooled {spec.name}", lambda: self._wait_claimable(handle)
+            )
+        except (MountVerificationFailed, SandboxError):
             await self.backend.remove(handle.name)
             raise
         return handle
+
+    def _wait_claimable(self, handle: SandboxHandle) -> None:
+        """Until the sandbox's first shell waits on its claim FIFO (it has opened what it
+        runs from the slot): a claim's bind over the slot before that would leave it
+        nothing to open. Read from the host, in the shell's `/proc/<pid>/fd`."""
+        attrs = self.backend._lookup(handle.container_id)
+        pid = int(((attrs or {}).get("State") or {}).get("Pid") or 0)
+        fifo = f"{BRIDGE}/{CLAIM_FIFO}"
+        deadline = time.monotonic() + WAITING_TIMEOUT
+        while pid > 0:
+            if any(fifo in _open_files(p) for p in (pid, *_children(pid))):  # under --init: a child
+                return
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.005)
+        raise SandboxError(f"pooled sandbox {handle.name} did not start waiting for its claim")
 
     def _create(self, spec: SandboxSpec, own_init: bool) -> SandboxHandle:
         kwargs: dict[str, Any] = create_kwargs(spec)

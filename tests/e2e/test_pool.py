@@ -29,10 +29,11 @@ from orchestrator.apps import install_app
 from orchestrator.config import write_config_document
 from orchestrator.pool import WarmPool
 from orchestrator.store.db import Database
+from sandbox.backends.base import SandboxInfo
 from sandbox.backends.docker import DockerBackend
 from sandbox.backends.docker_pool import INIT_FD
 from sandbox.latebind import LateBinder, slot_path
-from sandbox.spec import LABEL_GATEWAY
+from sandbox.spec import LABEL_APP, LABEL_GATEWAY
 from tests.e2e.conftest import (
     CANARIES,
     CONFIG_KEY,
@@ -305,6 +306,25 @@ def test_F1_idle_pooled_sandbox_waits_alone_and_its_claim_has_an_init(live: Live
     assert lines["ZOMBIES"] == "0", reply
 
 
+def test_F1_reaper_leaves_the_pools_spares_and_reaps_claimed_ones(live: LiveGateway) -> None:
+    """A ready pooled sandbox has no last turn: the idle reaper never takes it (it would
+    empty the pool every `sandboxIdleMinutes`); a claimed one is a conversation's and is."""
+    if live.runtime != "runc":
+        return
+    wait_ready(live, 1)
+    pool = pool_of(live)
+    live.run("pool-reapable", "true")
+    [claimed] = [c for c in pool.claimed.values() if chat_in(c, live, "pool-reapable")]
+    keeper = live.gateway.sandboxes
+    labels = {LABEL_APP: live.app}
+
+    def info(name: str) -> SandboxInfo:
+        return SandboxInfo(name, "", labels, True)
+
+    assert not any(keeper._reapable(info(p.handle.name)) for p in pool.ready)
+    assert keeper._reapable(info(claimed.pooled.handle.name))
+
+
 def chat_in(c: Any, live: LiveGateway, chat: str) -> bool:
     return any(dir_of(live, chat) in t for t in c.plan.by_target())
 
@@ -397,9 +417,13 @@ def test_F1_S3_two_apps_pools_never_release_each_others_slots(
     tmp_path: Path, docker_client: Any, base_image: str
 ) -> None:
     """Two app agents, two pools on one gateway: claims and sweeps of one leave the
-    other's ready and claimed sandboxes whole (each pool has a slot root of its own)."""
+    other's ready and claimed sandboxes whole (each pool has a slot root of its own).
+    With the resident runner off: a claim still ends the pooled shell's wait, and its
+    sandbox's PID 1 is the init from its slot (orphans are reaped)."""
     apps = ("mpa", "mpb")
-    config = install_test_app(tmp_path, docker_client, base_image, apps[0], {"pool": POOL})
+    config = install_test_app(
+        tmp_path, docker_client, base_image, apps[0], {"pool": POOL, "residentRunner": False}
+    )
     state = config.parent
     install_app(
         _prepare_app(tmp_path, apps[1]),
@@ -445,6 +469,8 @@ def test_F1_S3_two_apps_pools_never_release_each_others_slots(
                 assert claimed.pooled.slot.root.is_dir()
                 ready(a)
                 assert all(p.slot.root.is_dir() for p in pools[a].ready)
+                reply = lives[a].run(f"{a}-chat", "tr '\\0' ' ' < /proc/1/cmdline")
+                assert reply.startswith(f"/proc/self/fd/{INIT_FD} -- /bin/sh -c"), reply
     finally:
         for a in apps:
             remove_app_containers(docker_client, a)

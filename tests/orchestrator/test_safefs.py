@@ -291,8 +291,9 @@ def test_P5_flip_and_back_during_open_is_a_swap(
 ) -> None:
     """P5: a path that is a symlink at the open and regular again at the look after is 'swapped'.
 
-    The flip happens inside os.open (the window the race test hits by chance);
-    a regular file's own error (no descriptors left) is raised as it is.
+    The flip happens inside os.open (the window the race test hits by chance); a
+    file the sandbox keeps from being opened (a lease) is refused; the gateway's own
+    shortage (no descriptors left) is raised as it is.
     """
     import errno
 
@@ -300,7 +301,11 @@ def test_P5_flip_and_back_during_open_is_a_swap(
 
     (tree.base / "x").write_bytes(b"PUBLIC")
     real_open = os.open
-    failures = [OSError(errno.ELOOP, "flipped"), OSError(errno.EMFILE, "no descriptors left")]
+    failures = [
+        OSError(errno.ELOOP, "flipped"),
+        OSError(errno.EWOULDBLOCK, "a lease"),
+        OSError(errno.EMFILE, "no descriptors left"),
+    ]
 
     def flipping_open(path: Any, flags: int, *args: Any, **kw: Any) -> int:
         if path == "x" and failures:
@@ -313,6 +318,9 @@ def test_P5_flip_and_back_during_open_is_a_swap(
         with pytest.raises(UnsafePath) as refused:
             run()
         assert refused.value.kind == "swapped"
+        with pytest.raises(UnsafePath) as leased:  # the sandbox holds a lease on it
+            run()
+        assert leased.value.kind == "unopenable"
         with pytest.raises(OSError) as plain:
             run()
         assert not isinstance(plain.value, UnsafePath) and plain.value.errno == errno.EMFILE

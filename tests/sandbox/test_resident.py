@@ -37,6 +37,23 @@ FAKE_RUNNER = (
     "time.sleep(60)\n"
 )
 
+# answers the request's own id with a header the gateway must refuse (argv[1] says how)
+HOSTILE_REPLY = (
+    "import json,marshal,socket,struct,sys,time\n"
+    "s=socket.socket(socket.AF_UNIX); s.connect('/run/cellgate/runner.sock')\n"
+    "def rx(n):\n b=b''\n while len(b)<n: b+=s.recv(n-len(b))\n return b\n"
+    "h=marshal.loads(rx(struct.unpack('>I',rx(4))[0]))\n"
+    "head={'id':h['id'],'out_len':0,'err_len':0,'code':0}\n"
+    "m=sys.argv[1]\n"
+    "if m=='inf': head['out_len']=float('inf')\n"
+    "if m=='missing': del head['out_len']\n"
+    "if m=='list': head['out_len']=[1]\n"
+    "if m=='bool': head['err_len']=True\n"
+    "body=b'['*4000 if m=='deep' else json.dumps(head).encode()\n"
+    "s.sendall(struct.pack('>I',len(body))+body)\n"
+    "time.sleep(60)\n"
+)
+
 
 @pytest.fixture
 async def sandbox(
@@ -134,6 +151,24 @@ async def test_F2_hostile_runner_is_bounded_and_dropped(sandbox: Any, claimed_si
     assert lied.exit_code == -1 and b"runner was lost" in lied.stderr
     assert asyncio.get_running_loop().time() - started < 5
     # dropped: the next exec goes the plain way, and works
+    fine = await _exec(residents, handle, "echo fine")
+    assert fine.exit_code == 0 and fine.stdout == b"fine\n"
+
+
+@pytest.mark.parametrize("how", ["inf", "missing", "list", "bool", "deep"])
+async def test_F2_hostile_reply_header_is_a_lost_runner(sandbox: Any, how: str) -> None:
+    """A runner answering with the right id but lengths that are not counts (Infinity,
+    missing, a list, a bool) or JSON nested past the parser's depth: the turn gets
+    'runner was lost', the connection is dropped, the next exec goes the plain way."""
+    inner, residents, handle, built = sandbox
+    await _exec(inner, handle, KILL_RUNNER)
+    await asyncio.sleep(0.3)
+    assert not residents._runners[handle.container_id].ready
+    await residents.ops.launch(handle, built.spec.user, ["python3", "-c", HOSTILE_REPLY, how])
+    assert await residents.wait_connected(handle, 20)
+    lied = await _exec(residents, handle, "echo should-not-matter")
+    assert lied.exit_code == -1 and b"runner was lost" in lied.stderr
+    assert not residents._runners[handle.container_id].ready
     fine = await _exec(residents, handle, "echo fine")
     assert fine.exit_code == 0 and fine.stdout == b"fine\n"
 

@@ -124,7 +124,10 @@ def test_F1_pooled_first_process_waits_and_outlives_its_runner(
 
 
 @pytest.mark.docker  # the engine's init binary comes with the engine
-def test_F1_pooled_first_process_waits_alone_and_becomes_init_at_claim(tmp_path: Path) -> None:
+@pytest.mark.parametrize("with_runner", [True, False])
+def test_F1_pooled_first_process_waits_alone_and_becomes_init_at_claim(
+    tmp_path: Path, with_runner: bool
+) -> None:
     """With its slot holding the engine's init, the pooled first shell waits as the one
     process (idle memory: no init beside it), and at its claim the same process becomes
     that init, which keeps the runner and then the keep-alive as its children."""
@@ -135,8 +138,9 @@ def test_F1_pooled_first_process_waits_alone_and_becomes_init_at_claim(tmp_path:
     os.mkfifo(bridge / CLAIM_FIFO)
     (bridge / INIT_NAME).write_bytes(init.read_bytes())
     os.chmod(bridge / INIT_NAME, 0o555)
-    (bridge / RUNNER_NAME).write_bytes(SOURCE)
-    (bridge / RUNNER_CODE_NAME).write_bytes(runner_code(b"raise SystemExit(0)\n"))
+    if with_runner:
+        (bridge / RUNNER_NAME).write_bytes(SOURCE)
+        (bridge / RUNNER_CODE_NAME).write_bytes(runner_code(b"raise SystemExit(0)\n"))
     shell, flag, script = POOL_COMMAND_OWN_INIT
     script = script.replace(str(BRIDGE), str(bridge)).replace("python3 ", f"{sys.executable} ")
     proc = subprocess.Popen([shell, flag, script], stderr=subprocess.DEVNULL)
