@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import json
 import os
+import shlex
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -267,5 +268,46 @@ async def test_M4_heartbeat_runs_in_live_sessions_else_in_its_own(
             json.loads(x)["role"] for x in (chat / "transcript.jsonl").read_text().splitlines()
         ]
         assert "heartbeat" in roles
+    finally:
+        await gw.close()
+
+
+LEASE = (
+    "import fcntl,os,time\n"
+    "fd=os.open('USER.md',os.O_WRONLY|os.O_CREAT,0o644)\n"
+    "fcntl.fcntl(fd,fcntl.F_SETLEASE,fcntl.F_WRLCK)\n"
+    "print('leased',flush=True)\n"
+    "time.sleep(120)\n"
+)
+
+
+async def test_M4_a_chat_holding_a_lease_on_its_memory_stops_no_other_heartbeat(
+    config_path: Path, docker_client: Any
+) -> None:
+    """M4, P5: a hostile chat leaves a process holding a write lease on its USER.md (the
+    gateway's non-blocking open of it then fails with EWOULDBLOCK). Its file is left
+    out, and the heartbeat still runs in every live conversation, its own included."""
+    doc = json.loads(config_path.read_text())
+    doc["agents"][0]["heartbeat"] = {"everyMinutes": 60, "prompt": "echo heartbeat-ran"}
+    hb_config = config_path.with_name("config-hb-lease.json")
+    write_config_document(hb_config, doc)
+    gw = Gateway(load_config(hb_config), DockerBackend.from_env())
+    hostile, fine = (ConversationKey(AGENT, "api", c) for c in ("hb-lease", "hb-lease-ok"))
+    try:
+        for s in gw.store.live_sessions(AGENT):
+            gw.store.end_session(s.id)
+        chat = f"/workspace/chats/{hostile.dir_name}"
+        held = await gw.turn(
+            AGENT,
+            "api",
+            hostile.chat_id,
+            f"cd {chat} && (setsid python3 -c {shlex.quote(LEASE)} > lease.out 2>&1 &);"
+            " sleep 1; cat lease.out",
+        )
+        assert "leased" in held.result.reply, held.result.reply
+        await gw.turn(AGENT, "api", fine.chat_id, "true")
+        ran = dict(await gw.heartbeat_once(AGENT))
+        assert set(ran) == {hostile, fine}
+        assert "heartbeat-ran" in ran[fine].reply and "heartbeat-ran" in ran[hostile].reply
     finally:
         await gw.close()
