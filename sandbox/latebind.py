@@ -26,8 +26,8 @@ a bind in the private `<root>/stage`, remounted there, then moved.
 
 A pooled sandbox waits for its claim as a single process: its init (the
 engine's own tini, copied into the slot's bridge directory) is exec'ed by
-that process only when it is claimed,
-so an idle pooled sandbox costs what a plain `sleep` container does (F1).
+that process only when it is claimed, so an idle pooled sandbox costs what a
+plain `sleep` container does (F1).
 
 `release` detaches every mount under a slot and removes its empty mountpoints
 (never recursing into anything still mounted: conversation data is never
@@ -208,7 +208,7 @@ class LateBinder:
         return self._ready and self.init is not None
 
     def setup(self) -> None:
-        """Make `slots` and `stage` private mounts, and place the init; raises `LateBindError`.
+        """Make `slots` and `stage` private mounts, and read the init; raises `LateBindError`.
 
         No init is placed (`own_init` False: the engine's `--init` then) when the
         slots' filesystem is mounted noexec: the sandbox could not run it."""

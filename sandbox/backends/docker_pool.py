@@ -103,7 +103,7 @@ def _open_files(pid: int) -> set[str]:
 def engine_init() -> Path | None:
     """The engine's init binary on this host (tini, what `--init` runs), if it runs here.
 
-    A pool links it into its slots (`LateBinder(init=...)`); None: the engine's `--init`."""
+    A pool copies it into its slots (`LateBinder(init=...)`); None: the engine's `--init`."""
     for candidate in (shutil.which("docker-init"), "/usr/libexec/docker/docker-init"):
         if not candidate:
             continue
