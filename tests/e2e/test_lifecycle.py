@@ -307,7 +307,7 @@ async def test_M4_a_chat_holding_a_lease_on_its_memory_stops_no_other_heartbeat(
         assert "leased" in held.result.reply, held.result.reply
         await gw.turn(AGENT, "api", fine.chat_id, "true")
         ran = dict(await gw.heartbeat_once(AGENT))
-        assert set(ran) == {hostile, fine}
+        assert {hostile, fine} <= set(ran)  # (an earlier test's chat may be live too)
         assert "heartbeat-ran" in ran[fine].reply and "heartbeat-ran" in ran[hostile].reply
     finally:
         await gw.close()
