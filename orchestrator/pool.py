@@ -475,7 +475,6 @@ class WarmPools:
         assert isinstance(backend, DockerBackend)
         self._root = state_dir / "pool" / gateway_id
         self._ops = DockerPoolOps(backend)
-        self._init = engine_init()  # once per process (cached): a pooled sandbox's init
         for agent_id in list(agents):
             self._add(agent_id)
 
@@ -493,7 +492,7 @@ class WarmPools:
         # one slot root per agent: a pool's sweep releases slots it does not hold, so
         # two pools must never see each other's
         runner = self._residents.runner_files() if self._residents is not None else None
-        binder = LateBinder(self._root / sb.app.agent, runner, self._init)
+        binder = LateBinder(self._root / sb.app.agent, runner, engine_init)
         pool = WarmPool(sb, self._settings, self._ops, binder, room=self.room, current=current)
         pool.residents = self._residents
         if sb.quota is not None and not isinstance(sb.quota, SparedQuota):

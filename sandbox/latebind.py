@@ -43,7 +43,7 @@ import logging
 import os
 import secrets
 import stat
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
@@ -187,7 +187,7 @@ class LateBinder:
         self,
         root: Path,
         bridge_files: Mapping[str, bytes] | None = None,
-        init: Path | None = None,
+        find_init: Callable[[], Path | None] | None = None,
     ) -> None:
         self.root = root
         self.slots = root / "slots"
@@ -195,17 +195,17 @@ class LateBinder:
         # written into every slot's bridge dir (the runner a pooled sandbox opens before
         # its claim, F2), removed with the slot
         self.bridge_files = dict(bridge_files or {})
-        # an init binary (tini) copied into every slot's bridge dir: `own_init` after setup.
-        # A copy of its own, not a link: a link count shared by every slot would tell a
-        # claimed sandbox how many sandboxes of its app are live.
-        self.init = init
+        # where the init binary (tini) is, asked at setup (off the event loop); it is copied
+        # into every slot's bridge dir. A copy of its own, not a link: a link count shared
+        # by every slot would tell a claimed sandbox how many sandboxes of its app are live.
+        self.find_init = find_init
         self._init_data = b""
         self._ready = False
 
     @property
     def own_init(self) -> bool:
         """Do this binder's slots hold the init their sandboxes become at claim?"""
-        return self._ready and self.init is not None
+        return bool(self._init_data)
 
     def setup(self) -> None:
         """Make `slots` and `stage` private mounts, and read the init; raises `LateBindError`.
@@ -218,14 +218,14 @@ class LateBinder:
         os.chmod(self.root, 0o700)
         _self_bind(self.stage, MS_PRIVATE)
         _self_bind(self.slots, MS_PRIVATE)
-        if self.init is not None:
+        init = self.find_init() if self.find_init is not None else None
+        if init is not None:
             try:
                 if os.statvfs(self.slots).f_flag & os.ST_NOEXEC:
                     raise LateBindError(f"{self.slots} is on a noexec filesystem")
-                self._init_data = _read_init(self.init)
+                self._init_data = _read_init(init)
             except (OSError, LateBindError) as exc:
                 logger.warning("pooled sandboxes get the engine's init: %s", exc)
-                self.init = None
         self._ready = True
 
     def new_slot(self, made: Skeleton = ()) -> Slot:

@@ -17,7 +17,7 @@ import shlex
 import shutil
 import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -79,6 +79,26 @@ POOL_COMMAND_OWN_INIT = (
 )
 # How long a new pooled sandbox's first shell may take to wait on its claim FIFO
 WAITING_TIMEOUT = 10.0
+
+
+def _pid(attrs: Mapping[str, Any]) -> int:
+    """The host pid of the sandbox's first process, 0 when it is not running."""
+    return int((attrs.get("State") or {}).get("Pid") or 0)
+
+
+def _wait_claimable(name: str, pid: int) -> None:
+    """Until the sandbox's first shell waits on its claim FIFO (it has opened what it
+    runs from the slot): a claim's bind over the slot before that would leave it
+    nothing to open. Read from the host, in the shell's `/proc/<pid>/fd`."""
+    fifo = f"{BRIDGE}/{CLAIM_FIFO}"
+    deadline = time.monotonic() + WAITING_TIMEOUT
+    while pid > 0:
+        if any(fifo in _open_files(p) for p in (pid, *_children(pid))):  # under --init: a child
+            return
+        if time.monotonic() > deadline:
+            break
+        time.sleep(0.005)
+    raise SandboxError(f"pooled sandbox {name} did not start waiting for its claim")
 
 
 def _children(pid: int) -> list[int]:
@@ -144,31 +164,22 @@ class DockerPoolOps:
             f"create pooled {spec.name}", lambda: self._create(spec, own_init)
         )
         self.backend._remember_user(handle.container_id, spec.user)
+
+        def verify() -> list[str]:  # one lookup: checked, then waiting for its claim
+            attrs = self._attrs(handle)
+            found = self._violations_of(spec, handle, None, attrs)
+            if not found:
+                _wait_claimable(handle.name, _pid(attrs))
+            return found
+
         try:
-            await self.check(spec, handle, None)
-            await self.backend._call(
-                f"wait for pooled {spec.name}", lambda: self._wait_claimable(handle)
-            )
-        except (MountVerificationFailed, SandboxError):
+            found = await self.backend._call(f"verify pooled {handle.name}", verify)
+            if found:
+                raise MountVerificationFailed(handle.name, found)
+        except SandboxError:  # MountVerificationFailed too
             await self.backend.remove(handle.name)
             raise
         return handle
-
-    def _wait_claimable(self, handle: SandboxHandle) -> None:
-        """Until the sandbox's first shell waits on its claim FIFO (it has opened what it
-        runs from the slot): a claim's bind over the slot before that would leave it
-        nothing to open. Read from the host, in the shell's `/proc/<pid>/fd`."""
-        attrs = self.backend._lookup(handle.container_id)
-        pid = int(((attrs or {}).get("State") or {}).get("Pid") or 0)
-        fifo = f"{BRIDGE}/{CLAIM_FIFO}"
-        deadline = time.monotonic() + WAITING_TIMEOUT
-        while pid > 0:
-            if any(fifo in _open_files(p) for p in (pid, *_children(pid))):  # under --init: a child
-                return
-            if time.monotonic() > deadline:
-                break
-            time.sleep(0.005)
-        raise SandboxError(f"pooled sandbox {handle.name} did not start waiting for its claim")
 
     def _create(self, spec: SandboxSpec, own_init: bool) -> SandboxHandle:
         kwargs: dict[str, Any] = create_kwargs(spec)
@@ -239,12 +250,24 @@ class DockerPoolOps:
             raise MountVerificationFailed(handle.name, found)
         return bound
 
-    def _violations(
-        self, spec: SandboxSpec, handle: SandboxHandle, plan: MountPlan | None
-    ) -> list[str]:
+    def _attrs(self, handle: SandboxHandle) -> Mapping[str, Any]:
         attrs = self.backend._lookup(handle.container_id)
         if attrs is None:
             raise SandboxNotFound(handle.name)
+        return attrs
+
+    def _violations(
+        self, spec: SandboxSpec, handle: SandboxHandle, plan: MountPlan | None
+    ) -> list[str]:
+        return self._violations_of(spec, handle, plan, self._attrs(handle))
+
+    def _violations_of(
+        self,
+        spec: SandboxSpec,
+        handle: SandboxHandle,
+        plan: MountPlan | None,
+        attrs: Mapping[str, Any],
+    ) -> list[str]:
         observed = observe(attrs)
         if plan is not None:
             observed = _claimed_view(spec, observed, plan)
@@ -252,9 +275,8 @@ class DockerPoolOps:
         if not observed.running:
             found.append("the sandbox is not running")
         if plan is not None and not found:
-            pid = int((attrs.get("State") or {}).get("Pid") or 0)
             try:
-                found += view_violations(plan, read_view(pid, plan))
+                found += view_violations(plan, read_view(_pid(attrs), plan))
             except OSError as exc:
                 raise SandboxError(f"cannot read {handle.name}'s mounts: {exc}") from exc
         return found
