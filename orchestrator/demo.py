@@ -133,6 +133,13 @@ async def run_tour(config_path: Path) -> int:
             _say(f"\n[{chat}] $ {cmd}")
             outcome = await gateway.turn(DEMO_AGENT, "api", chat, cmd)
             print(f"[{chat}] ({outcome.sandbox})\n{outcome.result.reply}", flush=True)
+        # a tour serves nobody after it: no reaper would ever remove its sandboxes
+        # (their memory stays in the state directory, for the next tour or `demo`)
+        removed = [s.name for s in await gateway.sandboxes.live()]
+        for name in removed:
+            await gateway.sandboxes.evict(name)
+        where = cfg.gateway.state_dir
+        _say(f"\nremoved the tour's {len(removed)} sandboxes; their memory stays in {where}")
     finally:
         await gateway.close()
     return 0
