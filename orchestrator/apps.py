@@ -24,7 +24,7 @@ from orchestrator.config import (
     AGENT_ID_RE,
     HarnessConfig,
     ShellHarness,
-    first_validation_error,
+    every_validation_error,
     read_config_document,
     write_config_document,
 )
@@ -93,7 +93,7 @@ def load_manifest(app_dir: Path) -> AppManifest:
     try:
         manifest = AppManifest.model_validate(doc)
     except ValidationError as exc:
-        field, msg = first_validation_error(exc)
+        field, msg = every_validation_error(exc)
         raise ConfigError(str(path), field, msg) from exc
     svc = manifest.services.agent
     _inside(app_dir, svc.path, "services.agent.path", str(path))

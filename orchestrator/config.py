@@ -361,12 +361,28 @@ def _field_path(loc: tuple[int | str, ...]) -> str:
     return out
 
 
-def first_validation_error(exc: ValidationError) -> tuple[str, str]:
-    err = exc.errors()[0]
-    msg = err["msg"]
-    if err["type"] == "bool_type":
-        msg = f"must be true or false (got {err['input']!r})"
-    return _field_path(tuple(err["loc"])), msg
+MAX_REPORTED_ERRORS = 10
+
+
+def validation_errors(exc: ValidationError) -> list[tuple[str, str]]:
+    """Each problem (at most `MAX_REPORTED_ERRORS`) as its field path and what is wrong."""
+    out: list[tuple[str, str]] = []
+    for err in exc.errors()[:MAX_REPORTED_ERRORS]:
+        msg = err["msg"]
+        if err["type"] == "bool_type":
+            msg = f"must be true or false (got {err['input']!r})"
+        elif err["type"] == "extra_forbidden":
+            msg = "unknown field (check its spelling)"
+        out.append((_field_path(tuple(err["loc"])), msg))
+    return out
+
+
+def every_validation_error(exc: ValidationError) -> tuple[str, str]:
+    """The first problem's field, and every problem's message (an operator fixes all at once)."""
+    (field, msg), *more = validation_errors(exc)
+    if more:
+        msg += "; and " + "; ".join(f"{f}: {m}" for f, m in more)
+    return field, msg
 
 
 def read_config_document(path: Path) -> dict[str, Any]:
@@ -396,7 +412,7 @@ def parse_config(doc: dict[str, Any], source: str) -> GatewayConfig:
     try:
         base = GatewayConfig.model_validate(rest)
     except ValidationError as exc:
-        field, msg = first_validation_error(exc)
+        field, msg = every_validation_error(exc)
         raise ConfigError(source, field, msg) from exc
     agents: list[AgentConfig] = []
     skipped: list[str] = []
@@ -406,7 +422,7 @@ def parse_config(doc: dict[str, Any], source: str) -> GatewayConfig:
         try:
             agent = AgentConfig.model_validate(raw)
         except ValidationError as exc:
-            field, msg = first_validation_error(exc)
+            field, msg = every_validation_error(exc)
             reason = f"{source}: agents[{i}] ({name}): {field}: {msg}; agent skipped"
             logger.error("%s", reason)
             skipped.append(reason)

@@ -81,6 +81,24 @@ def test_unknown_gateway_key_is_an_error_not_ignored(tmp_path: Path) -> None:
     assert "sandboxIdleMinutez" in str(info.value)
 
 
+def test_every_gateway_error_is_named_at_once(tmp_path: Path) -> None:
+    """An operator fixes a config in one pass, not one field per start."""
+    doc = {"gateway": {"listen": {"port": "eighty"}, "pol": {"size": 2}, "maxConcurrentTurns": 0}}
+    with pytest.raises(ConfigError) as info:
+        load_config(write(tmp_path, doc))
+    text = str(info.value)
+    assert info.value.field == "gateway.listen.port"
+    assert "gateway.pol: unknown field (check its spelling)" in text
+    assert "gateway.maxConcurrentTurns" in text and "gateway.listen.port" in text
+
+
+def test_a_flood_of_errors_is_reported_bounded(tmp_path: Path) -> None:
+    doc = {"gateway": {f"typo{i}": 1 for i in range(500)}}
+    with pytest.raises(ConfigError) as info:
+        load_config(write(tmp_path, doc))
+    assert str(info.value).count("unknown field") == 10
+
+
 def test_duplicate_agent_ids_keep_the_first(tmp_path: Path) -> None:
     cfg = parse_config({"agents": [{"id": "a"}, {"id": "a", "isolateMemory": True}]}, "c.json")
     assert len(cfg.agents) == 1 and cfg.agents[0].isolate_memory is False
