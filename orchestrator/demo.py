@@ -8,6 +8,7 @@ A writes a memory, chat B tries to read it, and both see only their own.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import secrets
@@ -19,8 +20,10 @@ from pathlib import Path
 from typing import Any
 
 from cellgate.errors import AppError
+from cellgate.models import ConversationKey
 from orchestrator.apps import InstalledApp, install_app
 from orchestrator.config import load_config, write_config_document
+from orchestrator.store.messages import conversation_id
 from sandbox.images import docker_client, image_exists
 
 logger = logging.getLogger(__name__)
@@ -123,13 +126,19 @@ TOUR = (
 
 
 async def run_tour(config_path: Path) -> int:
+    from orchestrator.api.auth import config_key_ref
     from orchestrator.gateway import Gateway
     from sandbox.backends.docker import DockerBackend
 
     cfg = load_config(config_path)
     gateway = Gateway(cfg, DockerBackend.from_env())
+    key = config_key_ref(cfg.api_keys[0].name)
     try:
         for chat, cmd in TOUR:
+            # the tour's chats are the demo key's, as the served demo's `curl` lines make them:
+            # bound to none, that key could not go on with them after the tour (K4)
+            conv = conversation_id(ConversationKey(DEMO_AGENT, "api", chat))
+            await asyncio.to_thread(gateway.store.bind_api_chat, conv, key)
             _say(f"\n[{chat}] $ {cmd}")
             outcome = await gateway.turn(DEMO_AGENT, "api", chat, cmd)
             print(f"[{chat}] ({outcome.sandbox})\n{outcome.result.reply}", flush=True)

@@ -51,6 +51,11 @@ bearer = HTTPBearer(
 )
 
 
+def config_key_ref(name: str) -> str:
+    """How the store names a key of the config file (an API chat's binding, K4)."""
+    return f"config:{name}"
+
+
 @dataclass(frozen=True, slots=True)
 class Principal:
     """The key a request carried; `facts` is all a policy sees of it."""
@@ -101,7 +106,7 @@ def authenticate(ctx: ApiContext, secret: str | None) -> Principal:
                 admin=conf.admin,
                 write=conf.write,
                 agents=frozenset(conf.agents),
-                ref=f"config:{conf.name}",
+                ref=config_key_ref(conf.name),
             )
             return Principal(facts, conf.name, None, "config")
     raise ApiError(
