@@ -382,6 +382,9 @@ def every_validation_error(exc: ValidationError) -> tuple[str, str]:
     (field, msg), *more = validation_errors(exc)
     if more:
         msg += "; and " + "; ".join(f"{f}: {m}" for f, m in more)
+    unsaid = exc.error_count() - MAX_REPORTED_ERRORS
+    if unsaid > 0:
+        msg += f"; and {unsaid} more"
     return field, msg
 
 
