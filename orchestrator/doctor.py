@@ -214,18 +214,13 @@ def _runtime(f: _Facts, runtime: str) -> Check:
 # -- config --------------------------------------------------------------------
 
 
-def _field_path(loc: tuple[int | str, ...]) -> str:
-    out = ""
-    for part in loc:
-        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
-    return out
-
-
 def _messages(exc: ValidationError, prefix: str) -> Iterator[str]:
-    for err in exc.errors():
-        loc = _field_path(tuple(err["loc"]))
+    """As `cellgate serve` words them (at most `MAX_REPORTED_ERRORS` per section)."""
+    from orchestrator.config import validation_errors
+
+    for loc, msg in validation_errors(exc):
         path = f"{prefix}.{loc}" if prefix and loc else (prefix or loc or "(top level)")
-        yield f"{path}: {err['msg']}"
+        yield f"{path}: {msg}"
 
 
 def config_errors(doc: dict[str, Any]) -> list[str]:

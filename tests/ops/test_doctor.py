@@ -197,3 +197,11 @@ def test_o4_quota_off_is_a_warning_not_a_failure_where_loop_images_fail(
         check = doctor._quota(doctor._Facts(path, cfg=load_config(path)))
         assert check.status == status, check
         assert "no loop device" in check.detail and check.fix
+
+
+def test_O4_doctor_words_config_errors_as_serve_does() -> None:
+    """An operator reads one wording for one mistake, whichever command found it."""
+    from orchestrator.doctor import config_errors
+
+    errors = config_errors({"gateway": {"sandboxIdleMinute": 5}, "agents": []})
+    assert errors == ["gateway.sandboxIdleMinute: unknown field (check its spelling)"]
