@@ -18,15 +18,11 @@ import pytest
 
 from orchestrator.demo import prepare_state, run_tour
 from sandbox.backends.docker import DockerBackend
+from sandbox.latebind import mountpoints
 from tests.support.run_id import remove_run_containers, run_containers, seed_gateway_id
 from tests.support.served import served_gateway
 
 pytestmark = pytest.mark.docker
-
-
-def _mounts_under(root: Path) -> list[str]:
-    with open("/proc/self/mountinfo", encoding="utf-8") as f:
-        return [line.split()[4] for line in f if line.split()[4].startswith(str(root))]
 
 
 def test_tour_isolates_its_two_chats_and_leaves_no_sandbox_running(
@@ -43,7 +39,7 @@ def test_tour_isolates_its_two_chats_and_leaves_no_sandbox_running(
         assert "Permission denied" in persona and "CapEff:\t0000000000000000" in persona  # S3, S2
         assert alice.split("(")[1].split(")")[0] != bob.split("(")[1].split(")")[0]  # S1
         assert run_containers(docker_client, "demo") == []
-        assert _mounts_under(state) == []
+        assert [p for p in mountpoints() if p.startswith(str(state))] == []
         assert "removed the tour's 2 sandboxes" in out.err
         memories = list((state / "quota").rglob("*.img"))
         assert memories, "the tour's memory images stay for the next tour"
