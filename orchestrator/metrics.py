@@ -89,7 +89,7 @@ class _StoreCollector(Collector):
                 for rule, action, n in db.execute(
                     "SELECT rule, action, count(*) FROM refusals GROUP BY rule, action"
                 ):
-                    refusals.add_metric([str(rule)[:40], str(action)[:40]], float(n))
+                    refusals.add_metric([str(rule)[:40], str(action)[:120]], float(n))
         else:
             counts = {}
         for state in ("accepted", "running"):

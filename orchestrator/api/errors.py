@@ -191,19 +191,30 @@ def _host_roots(request: Request) -> list[str]:
     return roots
 
 
+def _api_action(request: Request) -> str:
+    """An audit row's action: the method and the route's template, never the path itself
+    (a path holds chat ids; the action is a metrics label, so it must come from a fixed set)."""
+    route = request.scope.get("route")
+    template = getattr(route, "path", None)
+    return f"api {request.method[:16]} {template if isinstance(template, str) else '(no route)'}"
+
+
 def _audit(request: Request, ref: str, status: int, code: str, exc: BaseException) -> None:
     """The R6 audit row of a failure; a store that cannot take it is logged, not raised."""
     ctx = getattr(request.app.state, "cellgate", None)
     if ctx is None:
         return
-    route = request.scope.get("route")
-    where = getattr(route, "path", None) or request.url.path
     try:
         ctx.store.record_refusal(
             rule="R6",
-            action=f"api {request.method} {where}"[:300],
+            action=_api_action(request),
             reason=f"{status} {code}",
-            detail={"ref": ref, "error": type(exc).__name__, "message": str(exc)[:4000]},
+            detail={
+                "ref": ref,
+                "path": request.url.path[:300],
+                "error": type(exc).__name__,
+                "message": str(exc)[:4000],
+            },
         )
     except CellgateError as audit_exc:
         logger.error("ref=%s: the audit row could not be written: %s", ref, audit_exc)
@@ -221,9 +232,9 @@ def _audit_refusal(request: Request, ref: str, exc: AccessRefused) -> None:
     try:
         ctx.store.record_refusal(
             rule=exc.decision.rule,
-            action=f"api {request.method} {request.url.path}"[:300],
+            action=_api_action(request),
             reason=exc.decision.reason,
-            detail={"ref": ref, "key": exc.key},
+            detail={"ref": ref, "key": exc.key, "path": request.url.path[:300]},
         )
     except CellgateError as audit_exc:
         logger.error("ref=%s: the audit row could not be written: %s", ref, audit_exc)

@@ -56,13 +56,37 @@ def test_o2_metrics_after_real_turns(ops: OpsGateway) -> None:
     assert value(m, "cellgate_turn_seconds_sum", agent=ops.agent) > 0
     assert value(m, "cellgate_channel_deliveries_total", channel="api", outcome="ok") >= 3
     assert "cellgate_queue_depth" in m
-    assert value(m, "cellgate_event_loop_lag_seconds_count") >= 1  # the watcher runs
+    deadline = time.monotonic() + 10  # the watcher runs (its first wake-up is 0.5 s in)
+    while value(scrape(ops), "cellgate_event_loop_lag_seconds_count") < 1:
+        assert time.monotonic() < deadline, "the event-loop lag watcher never reported"
+        time.sleep(0.1)
     # no chat id, message text or key in any label
     every_label = " ".join(
         f"{k}={v}" for samples in m.values() for labels, _ in samples for k, v in labels.items()
     )
     for needle in (secret_chat, "metrics-private-text", ops.admin_key, ops.user_key, "elsewhere"):
         assert needle not in every_label
+    # O2: a refusal's action label is the route, never the path with its chat id in it
+    r = httpx.post(
+        f"{ops.url}/v1/keys",
+        json={"name": "metrics-peer", "agents": [ops.agent]},
+        headers={"Authorization": f"Bearer {ops.admin_key}"},
+        timeout=30,
+    )
+    assert r.status_code in (200, 201), r.text
+    peer = r.json()["secret"]
+    for chat in (secret_chat, "metrics-other"):  # K4: both are bound to the first key
+        r = httpx.post(
+            f"{ops.url}/v1/agents/{ops.agent}/chats/{chat}/messages",
+            json={"text": "mine?"},
+            headers={"Authorization": f"Bearer {peer}"},
+            timeout=30,
+        )
+        assert r.status_code == 403 and r.json()["error"]["rule"] == "K4", r.text
+    k4 = [labels for labels, _ in scrape(ops)["cellgate_refusals_total"] if labels["rule"] == "K4"]
+    assert [lab["action"] for lab in k4] == [
+        "api POST /v1/agents/{agent}/chats/{chat_id}/messages"
+    ]
     # reaping counts: remove one live sandbox through the gateway's own path
     name = next(sb.name for sb in ops.gateway.store.sandboxes() if sb.agent == ops.agent)
     assert ops.on_loop(ops.gateway.sandboxes.evict(name)) is True
