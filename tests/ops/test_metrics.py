@@ -84,9 +84,7 @@ def test_o2_metrics_after_real_turns(ops: OpsGateway) -> None:
         )
         assert r.status_code == 403 and r.json()["error"]["rule"] == "K4", r.text
     k4 = [labels for labels, _ in scrape(ops)["cellgate_refusals_total"] if labels["rule"] == "K4"]
-    assert [lab["action"] for lab in k4] == [
-        "api POST /v1/agents/{agent}/chats/{chat_id}/messages"
-    ]
+    assert [lab["action"] for lab in k4] == ["api POST /v1/agents/{agent}/chats/{chat_id}/messages"]
     # reaping counts: remove one live sandbox through the gateway's own path
     name = next(sb.name for sb in ops.gateway.store.sandboxes() if sb.agent == ops.agent)
     assert ops.on_loop(ops.gateway.sandboxes.evict(name)) is True
