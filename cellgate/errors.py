@@ -29,11 +29,19 @@
                                                 a guarded update found another state
 
 Errors carry data; a message says what is wrong, where, and how to fix it.
+`new_ref()` names one failure for a stranger and the log alike (R6).
 """
 
 from __future__ import annotations
 
+import secrets
 from collections.abc import Sequence
+
+
+def new_ref() -> str:
+    """A reference id a stranger can quote and an operator can find in the log (R6):
+    `r-` and 12 hex characters."""
+    return "r-" + secrets.token_hex(6)
 
 
 class CellgateError(Exception):

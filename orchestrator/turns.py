@@ -18,13 +18,18 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import secrets
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from functools import partial
 from typing import Protocol
 
-from cellgate.errors import CellgateError, EngineUnavailable, StateConflict, TurnTimeout
+from cellgate.errors import (
+    CellgateError,
+    EngineUnavailable,
+    StateConflict,
+    TurnTimeout,
+    new_ref,
+)
 from orchestrator.bounded import LruMap
 from orchestrator.slots import FairSlots
 from orchestrator.store import (
@@ -62,11 +67,6 @@ class LoopStore(TurnQueueStore, RefusalStore, Protocol):
 
 def outbound_key(message_id: MessageId) -> str:
     return f"reply:{message_id}"
-
-
-def reference_id() -> str:
-    """A short id a stranger can quote and an operator can find in the log (R6)."""
-    return "r-" + secrets.token_hex(6)
 
 
 def failure_text(exc: BaseException, ref: str) -> str:
@@ -350,7 +350,7 @@ class TurnLoop:
         except CellgateError as exc:
             return await self._failed(conv, message, exc)
         except Exception as exc:
-            ref = reference_id()
+            ref = new_ref()
             logger.exception(
                 "turn for message %s crashed (ref %s)",
                 message.id,
@@ -362,7 +362,7 @@ class TurnLoop:
 
     async def _failed(self, conv: Conversation, message: Message, exc: CellgateError) -> TurnAnswer:
         self._engine_attempts.pop(message.id)
-        ref = reference_id()
+        ref = new_ref()
         logger.warning(
             "turn for message %s failed (ref %s): %s",
             message.id,

@@ -25,7 +25,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
-import secrets
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -50,6 +49,7 @@ from cellgate.errors import (
     Throttled,
     TurnTimeout,
     UnknownAgent,
+    new_ref,
 )
 from policies.status import AccessDecision
 
@@ -88,11 +88,6 @@ class AccessRefused(ApiError):
         """The refused key's id or name, for the audit row; never its secret."""
         code = _ACCESS_CODES.get(decision.status, "refused")
         super().__init__(decision.status, code, decision.reason, decision.rule)
-
-
-def new_ref() -> str:
-    """A reference id for one error answer: `r-` and 12 hex characters."""
-    return "r-" + secrets.token_hex(6)
 
 
 _SANDBOX_OR_API = ("/workspace", "/v1/", "/home/agent")

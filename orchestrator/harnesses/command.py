@@ -33,6 +33,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from cellgate.errors import new_ref
 from orchestrator import config
 from orchestrator.bounded import LruMap
 from orchestrator.harnesses.base import ExecDetail, Harness, SessionContext, TurnRequest, TurnResult
@@ -235,7 +236,7 @@ class CommandHarness(Harness):
             workdir=ctx.workdir,
         )
         if result.timed_out:
-            parsed = ParsedOutput(False, f"[timed out after {self.timeout_seconds:g} s]", None)
+            parsed = ParsedOutput(False, "", None)
         else:
             parsed = parse_output(self.template.output, result.stdout)
             if result.exit_code != 0:
@@ -265,9 +266,8 @@ class CommandHarness(Harness):
             self._sessions.put(key, sid)
             self._reset.discard(key)
         reply = parsed.reply
-        if not parsed.ok and not reply.strip():
-            tail = stderr.decode("utf-8", "replace").strip()[-2000:]
-            reply = f"the agent command failed (exit {code})" + (f": {tail}" if tail else "")
+        if not parsed.ok and (timed_out or not reply.strip()):
+            reply = self._failure_reply(ctx, code, timed_out, stderr)
         return TurnResult(
             ok=parsed.ok,
             reply=reply,
@@ -277,6 +277,30 @@ class CommandHarness(Harness):
                 exit_code=code, timed_out=timed_out, resumed=resumed, resume_failed=retried
             ),
         )
+
+    def _failure_reply(self, ctx: SessionContext, code: int, timed_out: bool, stderr: bytes) -> str:
+        """R6: a failed turn's reply names the failure and a reference the log holds.
+
+        A sandboxed command's own error output is shown with it (the conversation's
+        own sandbox printed it); a host agent's is only logged (it may name host paths).
+        """
+        ref = new_ref()
+        tail = stderr.decode("utf-8", "replace").strip()[-2000:]
+        what = (
+            f"timed out after {self.timeout_seconds:g} s"
+            if timed_out
+            else f"the agent command failed (exit {code})"
+        )
+        logger.warning(
+            "turn %s (ref %s): %s%s",
+            "timed out" if timed_out else "failed",
+            ref,
+            what,
+            f"; its error output ends: {tail}" if tail else "",
+            extra={"conversation": ctx.conversation.digest, "ref": ref},
+        )
+        shown = f": {tail}" if tail and ctx.backend.confined and not timed_out else ""
+        return f"[{what}{shown}] (ref {ref})"
 
     async def reset_session(self, ctx: SessionContext) -> None:
         """Forget the session id; the next turn starts a new session (it ignores `resume_id`)."""

@@ -10,6 +10,7 @@ import abc
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import ClassVar
 
 from cellgate.errors import MountVerificationFailed, SandboxError
 from sandbox.spec import SandboxSpec
@@ -51,6 +52,10 @@ class SandboxInfo:
 
 class SandboxBackend(abc.ABC):
     """ensure(spec) → handle; exec; inspect; remove; list by label."""
+
+    confined: ClassVar[bool] = True
+    """False when `exec` runs on the gateway's host: what such a process prints may hold
+    host paths, so a chat is shown a reference, never its error output."""
 
     async def ensure(self, spec: SandboxSpec) -> SandboxHandle:
         """Create or reuse the sandbox for `spec`, then verify it; refuse on any difference.

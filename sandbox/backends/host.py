@@ -79,6 +79,8 @@ def _kill_group(pid: int) -> None:
 class HostExec(SandboxBackend):
     """Runs a host agent's turns as host processes (see the module docstring)."""
 
+    confined = False
+
     def __init__(self, *, output_cap: int = OUTPUT_CAP) -> None:
         self.output_cap = output_cap
 

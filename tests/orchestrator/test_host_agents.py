@@ -156,7 +156,8 @@ async def test_S6_M5_isolated_host_agent_memory_tools_and_replies_per_chat(
     assert [m.text for m in to_me.result.messages_sent] == ["hi"], to_me.result.reply
     other = json.dumps({"text": "x", "chat_id": "bob"})
     refused = await gw.turn(AGENT, "api", "alice", f"{tool} reply '{other}'")
-    assert not refused.result.messages_sent and "P1" in refused.result.reply
+    assert not refused.result.messages_sent and "(ref r-" in refused.result.reply
+    assert any(r.rule == "P1" for r in gw.store.refusals(limit=50))  # audited for the operator
     listed = await gw.turn(AGENT, "api", "alice", f"{tool} list_tools '{{}}'")
     assert "task_memory_append" in listed.result.reply
     assert "memory_search" not in listed.result.reply  # T2: isolated scope's tool gating
@@ -185,6 +186,39 @@ async def test_S6_host_agent_with_the_shell_harness_takes_no_turns(
     gw = make({"id": AGENT, "harness": {"type": "shell"}})
     with pytest.raises(AgentUnavailable, match="host agent runs the command or openai"):
         gw.agents.runnable(AGENT)
+
+
+async def test_R6_a_failing_host_command_shows_a_chat_a_reference_not_host_paths(
+    make: Callable[..., Gateway], tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    missing = tmp_path / "operator-bin" / "no-such-agent"
+    gw = make(_host_agent(argv=[str(missing), "{prompt}"]))
+    with caplog.at_level(logging.WARNING, logger="orchestrator.harnesses.command"):
+        out = await gw.turn(AGENT, "api", "alice", "hello")
+    reply = out.result.reply
+    assert not out.result.ok and "(ref r-" in reply, reply
+    assert str(tmp_path) not in reply and "operator-bin" not in reply, reply
+    ref = reply.rsplit("(ref ", 1)[1].rstrip(")")
+    logged = [r.getMessage() for r in caplog.records if ref in r.getMessage()]
+    assert logged and str(missing) in logged[0]  # the operator finds it under the ref
+
+
+async def test_R6_a_host_command_s_error_output_stays_in_the_log(
+    make: Callable[..., Gateway], tmp_path: Path
+) -> None:
+    gw = make(_host_agent())
+    out = await gw.turn(AGENT, "api", "alice", f"cat {tmp_path}/nothing-here")
+    assert not out.result.ok and "(ref r-" in out.result.reply
+    assert str(tmp_path) not in out.result.reply, out.result.reply
+
+
+async def test_R6_a_timed_out_turn_carries_a_reference(make: Callable[..., Gateway]) -> None:
+    agent = _host_agent()
+    agent["harness"]["timeoutSeconds"] = 1
+    gw = make(agent)
+    out = await gw.turn(AGENT, "api", "alice", "sleep 30")
+    assert not out.result.ok
+    assert out.result.reply.startswith("[timed out after 1 s] (ref r-"), out.result.reply
 
 
 def test_S6_readme_says_a_host_agent_is_not_an_os_sandbox() -> None:
