@@ -152,6 +152,11 @@ _FAILURE_MESSAGES = {
 }
 
 
+_STATES = (AgentUnavailable, EngineUnavailable, TurnTimeout)
+"""Failures that are a state, not a bug: no traceback in the log (a caller repeating
+a message to a stopped app must not fill the log with stacks)."""
+
+
 def classify(exc: CellgateError) -> tuple[int, str, str, str | None]:
     """Status, code, the exception's own message (may hold host paths), rule."""
     if isinstance(exc, ApiError):
@@ -238,12 +243,18 @@ def _audit_refusal(request: Request, ref: str, exc: AccessRefused) -> None:
 async def answer_failure(
     request: Request, exc: BaseException, status: int, code: str, rule: str | None = None
 ) -> JSONResponse:
-    """R6: log the details under a fresh ref, audit them, answer the short message."""
+    """R6: log the details under a fresh ref, audit them, answer the short message.
+
+    A state the operator chose or the engine is in (an app stopped, no engine, a turn
+    past its limit) is one warning line; anything else is an error with its traceback.
+    """
     ref = new_ref()
-    logger.error(
+    expected = isinstance(exc, _STATES)
+    logger.log(
+        logging.WARNING if expected else logging.ERROR,
         "ref=%s %s %s failed (%d %s): %s: %s",
         ref, request.method, request.url.path, status, code, type(exc).__name__, exc,
-        exc_info=exc,
+        exc_info=None if expected else exc,
     )  # fmt: skip
     await asyncio.to_thread(_audit, request, ref, status, code, exc)
     return error_response(status, code, failure_message(code, ref), rule, ref=ref)

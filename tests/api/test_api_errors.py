@@ -82,3 +82,18 @@ def test_R6_a_users_mistake_keeps_its_message_without_host_paths() -> None:
     assert scrub("a plain message with api-<session>/photo.png and 1/2") == (
         "a plain message with api-<session>/photo.png and 1/2"
     )
+
+
+def test_R6_an_agent_that_cannot_take_turns_is_one_warning_not_a_traceback(
+    live: Live, caplog: pytest.LogCaptureFixture
+) -> None:
+    # 'open' is a host agent with the shell harness: it takes no turns (a state, like a
+    # stopped app); a caller repeating messages must not fill the log with stacks
+    with caplog.at_level(logging.DEBUG, logger="orchestrator.api.errors"):
+        r = live.request("POST", "/v1/agents/open/chats/r6-state/messages",
+                         live.seed.keys["open"], json={"text": "hi"})  # fmt: skip
+    assert r.status_code == 503
+    err = r.json()["error"]
+    assert err["code"] == "agent_unavailable" and err["ref"] in err["message"]
+    (rec,) = [rec for rec in caplog.records if err["ref"] in rec.getMessage()]
+    assert rec.levelno == logging.WARNING and rec.exc_info is None
