@@ -268,9 +268,12 @@ def _keys_store(config: str) -> Store:
 
 
 def _cmd_keys_create(args: argparse.Namespace) -> int:
+    from orchestrator.config import load_config
     from orchestrator.keys import create_operator_key
+    from orchestrator.store import Store
 
-    with _keys_store(args.config) as store:
+    config = load_config(Path(args.config))
+    with Store.open(config.gateway.state_dir) as store:
         key, secret = create_operator_key(
             store,
             args.name,
@@ -278,6 +281,7 @@ def _cmd_keys_create(args: argparse.Namespace) -> int:
             all_agents=args.all_agents,
             admin=args.admin,
             write=args.write,
+            known={a.id for a in config.agents},
         )
     flags = ", ".join(f for f, on in (("admin", key.admin), ("write", key.write)) if on)
     print(f"created key {key.id} ({key.name}) for agents {','.join(key.agents)}"

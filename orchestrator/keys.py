@@ -10,7 +10,7 @@ sandbox (K1): an app agent's sandbox gets no key at all.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 
 from cellgate.errors import PolicyDenied, StoreError
 from orchestrator.config import is_valid_agent_id
@@ -49,8 +49,13 @@ def create_operator_key(
     all_agents: bool = False,
     admin: bool = False,
     write: bool = False,
+    known: Collection[str] | None = None,
 ) -> tuple[ApiKey, str]:
-    """A key for an operator or an API client; `agents` are ids, or `all_agents` for `*`."""
+    """A key for an operator or an API client; `agents` are ids, or `all_agents` for `*`.
+
+    `known`: the configured agents; a key naming any other is refused (a typo would
+    otherwise make a key that quietly reaches nothing).
+    """
     name = name.strip()
     if not name or len(name) > 100:
         raise StoreError("a key needs a name of 1-100 characters (--name)")
@@ -63,5 +68,11 @@ def create_operator_key(
             raise StoreError("use --all-agents for a key that may use every agent, not --agent '*'")
         if not is_valid_agent_id(a):
             raise StoreError(f"{a!r} is not an agent id (1-40 lowercase letters, digits, '-')")
+        if known is not None and a not in known:
+            have = ", ".join(sorted(known)[:20]) or "none"
+            raise StoreError(
+                f"no agent {a!r} in this gateway's config (configured: {have}); "
+                "check the id, or install its app first"
+            )
     chosen = [WILDCARD] if all_agents else sorted(set(agents))
     return store.create_key(name, chosen, admin=admin, write=write)

@@ -66,7 +66,8 @@ def create_key(body: KeyIn, who: CallerKey, ctx: Ctx) -> KeyOut:
     try:
         key, secret = create_operator_key(ctx.store, body.name, body.agents,
                                           all_agents=body.all_agents, admin=body.admin,
-                                          write=body.write)  # fmt: skip
+                                          write=body.write,
+                                          known=set(ctx.gateway.agents))  # fmt: skip
     except StoreError as exc:
         raise ApiError(400, "bad_key_request", exc.reason) from exc
     return KeyOut.of(key, secret)

@@ -317,3 +317,11 @@ def test_unknown_chat_is_404(live: Live) -> None:
     r = live.request("GET", f"/v1/agents/open/chats/{live.seed.tg['iso'].conv.id}",
                      live.seed.keys["admin"])  # fmt: skip
     assert r.status_code == 404
+
+
+def test_K2_a_key_for_an_agent_not_configured_is_refused(live: Live) -> None:
+    r = live.request("POST", "/v1/keys", live.seed.keys["admin"],
+                     json={"name": "typo", "agents": ["opne"]})  # fmt: skip
+    assert r.status_code == 400, r.text
+    assert "no agent 'opne'" in r.json()["error"]["message"]
+    assert not [k for k in live.store.list_keys() if k.name == "typo"]

@@ -14,11 +14,16 @@ from orchestrator.store import Store
 from orchestrator.store.db import DB_FILE
 from policies.api_access import KeySpec, key_spec_ok_for_host_agent
 
+AGENTS = ("shop-bot", "faq-bot")
+
 
 @pytest.fixture
 def config(tmp_path: Path) -> Path:
     path = tmp_path / "config.json"
-    write_config_document(path, {"gateway": {"stateDir": str(tmp_path / "state")}, "agents": []})
+    agents = [{"id": a, "harness": {"type": "command", "argv": ["true"]}} for a in AGENTS]
+    write_config_document(
+        path, {"gateway": {"stateDir": str(tmp_path / "state")}, "agents": agents}
+    )
     return path
 
 
@@ -82,6 +87,12 @@ def test_K2_keys_cli_refuses_bad_agents(config: Path, capsys: pytest.CaptureFixt
     assert "--all-agents" in capsys.readouterr().err
     assert main(["keys", "create", "--config", str(config), "--name", "x", "--agent", "../a"]) == 2
     assert "not an agent id" in capsys.readouterr().err
+    # a typo would make a key that quietly reaches nothing
+    assert (
+        main(["keys", "create", "--config", str(config), "--name", "x", "--agent", "shop-bto"]) == 2
+    )
+    err = capsys.readouterr().err
+    assert "no agent 'shop-bto'" in err and "faq-bot, shop-bot" in err
     with pytest.raises(SystemExit):  # --agent and --all-agents are exclusive
         main(
             [
