@@ -102,7 +102,11 @@ class MemorySettings(_Model):
     @field_validator("over_budget")
     @classmethod
     def _unknown_falls_back(cls, v: str) -> str:
-        return v if v in ("warn", "error") else "warn"
+        """The seed's rule: an unknown severity is `warn`; said once, so a typo is seen."""
+        if v in ("warn", "error"):
+            return v
+        logger.warning("memory.overBudget %r is neither 'warn' nor 'error'; using 'warn'", v[:40])
+        return "warn"
 
 
 class GatewaySettings(_Model):

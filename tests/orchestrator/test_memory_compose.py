@@ -5,6 +5,7 @@ Every test composes from a real workspace tree under tmp_path.
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 from dataclasses import dataclass
@@ -183,6 +184,13 @@ def test_M7_over_budget_file_gets_banner_and_disk_is_untouched(
         pytest.param(MemorySettings(memoryBudgetChars=0, userBudgetChars=0), id="disabled"),
     ],
 )
+def test_M7_an_unknown_severity_is_warn_and_says_so(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING, logger="orchestrator.config"):
+        settings = MemorySettings(overBudget="eror")
+    assert settings.over_budget == "warn"
+    assert any("'eror'" in r.getMessage() for r in caplog.records)
+
+
 def test_M7_no_banner_within_budget_or_when_disabled(tree: Tree, settings: MemorySettings) -> None:
     (tree.chat_dir / "MEMORY.md").write_text(
         "x" * 9000 if settings.memory_budget_chars == 0 else "y"
