@@ -177,13 +177,6 @@ def test_M7_over_budget_file_gets_banner_and_disk_is_untouched(
     assert (after.st_mtime_ns, after.st_size) == (before.st_mtime_ns, before.st_size)
 
 
-@pytest.mark.parametrize(
-    "settings",
-    [
-        pytest.param(MemorySettings(), id="within-budget"),
-        pytest.param(MemorySettings(memoryBudgetChars=0, userBudgetChars=0), id="disabled"),
-    ],
-)
 def test_M7_an_unknown_severity_is_warn_and_says_so(caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level(logging.WARNING, logger="orchestrator.config"):
         settings = MemorySettings(overBudget="eror")
@@ -191,6 +184,13 @@ def test_M7_an_unknown_severity_is_warn_and_says_so(caplog: pytest.LogCaptureFix
     assert any("'eror'" in r.getMessage() for r in caplog.records)
 
 
+@pytest.mark.parametrize(
+    "settings",
+    [
+        pytest.param(MemorySettings(), id="within-budget"),
+        pytest.param(MemorySettings(memoryBudgetChars=0, userBudgetChars=0), id="disabled"),
+    ],
+)
 def test_M7_no_banner_within_budget_or_when_disabled(tree: Tree, settings: MemorySettings) -> None:
     (tree.chat_dir / "MEMORY.md").write_text(
         "x" * 9000 if settings.memory_budget_chars == 0 else "y"
