@@ -100,13 +100,27 @@ def declaration(manifest: AppManifest) -> dict[str, Any]:
     }
 
 
-def inspect_app(state_dir: Path, target: str) -> dict[str, Any]:
+def inspect_app(
+    state_dir: Path, *, path: Path | None = None, name: str | None = None
+) -> dict[str, Any]:
     """L4: an app directory's declaration, or an installed app's (with its record)."""
-    path = Path(target)
-    if path.is_dir():
-        return {**declaration(load_manifest(path.resolve())), "installed": None}
-    manifest = installed_manifest(state_dir, target)
-    return {**declaration(manifest), "installed": describe(InstalledApp.load(state_dir, target))}
+    if path is not None:
+        return {**declaration(load_manifest(path.expanduser().resolve())), "installed": None}
+    if name is None:
+        raise AppError("", "give an app directory or an installed app's name")
+    manifest = installed_manifest(state_dir, name)
+    return {**declaration(manifest), "installed": describe(InstalledApp.load(state_dir, name))}
+
+
+def inspect_target(state_dir: Path, target: str) -> dict[str, Any]:
+    """The CLI's one argument: a path (with a `/`, or `.`) is a directory; a bare word is
+    an installed app's name, else a directory of that name here."""
+    looks_like_path = "/" in target or target.startswith(".")
+    if not looks_like_path and target in installed_apps(state_dir):
+        return inspect_app(state_dir, name=target)
+    if looks_like_path or Path(target).is_dir():
+        return inspect_app(state_dir, path=Path(target))
+    return inspect_app(state_dir, name=target)
 
 
 # -- sandboxes ----------------------------------------------------------------------------

@@ -157,10 +157,10 @@ def _cmd_apps_list(args: argparse.Namespace) -> int:
 
 
 def _cmd_apps_inspect(args: argparse.Namespace) -> int:
-    from orchestrator.app_ops import inspect_app
+    from orchestrator.app_ops import inspect_target
 
     _, state, _ = _apps_env(args)
-    print(json.dumps(inspect_app(state, args.target), indent=2))
+    print(json.dumps(inspect_target(state, args.target), indent=2))
     return 0
 
 

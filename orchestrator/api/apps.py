@@ -140,10 +140,10 @@ async def list_apps(who: CallerKey, ctx: Ctx) -> list[dict[str, Any]]:
 async def inspect(body: InspectIn, who: CallerKey, ctx: Ctx) -> dict[str, Any]:
     """L4: the app's `agentDeclaration` (isolateMemory, disableArchive) and its record."""
     require(ctx, who, "", "admin")
-    target = body.path or body.name
-    if not target or (body.path and body.name):
+    if (body.path is None) == (body.name is None):
         raise ApiError(400, "bad_request", "give `path` (an app directory) or `name`, one of them")
-    return await _run(app_ops.inspect_app, _state(ctx), target)
+    path = Path(body.path) if body.path is not None else None
+    return await _run(app_ops.inspect_app, _state(ctx), path=path, name=body.name)
 
 
 def _done(app: InstalledApp, steps: _Steps, **extra: Any) -> dict[str, Any]:

@@ -180,7 +180,7 @@ def pool_of(gw: Any, agent: str) -> Any:
 
 def test_S5_L3_L4_app_life_over_the_cli(
     tmp_path: Path, docker_client: Any, base_image: str, cleanup: list[str],
-    capsys: pytest.CaptureFixture[str],
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
 ) -> None:  # fmt: skip
     app, agent = "appscli", "appscli-bot"
     cleanup.append(app)
@@ -213,7 +213,11 @@ def test_S5_L3_L4_app_life_over_the_cli(
         assert "release-2" in c.run("bob", SHOW)
         assert pool_of(gw, agent).claimed  # bob's sandbox came from it
 
-        # L4: inspect, list.
+        # L4: inspect, list. A directory named like the app in the working directory is
+        # not what a bare name means: the installed app is.
+        here = tmp_path / "elsewhere"
+        (here / app).mkdir(parents=True)
+        monkeypatch.chdir(here)
         capsys.readouterr()
         assert cli(["apps", "inspect", app, "--config", str(config)]) == 0
         shown = json.loads(capsys.readouterr().out)
