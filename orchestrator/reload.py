@@ -156,8 +156,8 @@ class Reloader:
             wanted = {a.id: a for a in cfg.agents}
             for agent_id, new in wanted.items():
                 rt = self.agents.get(agent_id)
-                if rt is None:
-                    self.agents.put(agent_id, self._load(new))
+                if rt is None:  # as a restart brings an agent up: probe, pool
+                    await self._bring_up(agent_id, new)
                     logger.info("agent %s added by a config change", agent_id)
                     continue
                 why = self._changed(rt, new)
@@ -253,20 +253,26 @@ class Reloader:
             self.restarted(agent_id)
             logger.info("agent %s stopped: %s", agent_id, p.why)
             return
-        new = await asyncio.to_thread(self._load, p.config)
-        if new.app is not None and new.sandboxes is not None and new.unavailable is None:
-            wanted = {agent_id: (self.config.gateway.runtime, new.app.image_id)}
-            verdict = (await check_runtimes(self.backend, wanted)).get(agent_id)
-            if verdict is not None and not verdict.ok:  # S2, as at start
-                new.unavailable = verdict.summary
-        self.agents.put(agent_id, new)
-        self.restarted(agent_id)
+        new = await self._bring_up(agent_id, p.config)
         self.restarts += 1
         logger.info(
             "agent %s restarted (%s): isolateMemory %s, disableArchive %s (L5)",
             agent_id, p.why, str(new.started_isolated).lower(),
             str(new.config.disable_archive).lower(),
         )  # fmt: skip
+
+    async def _bring_up(self, agent_id: str, config: AgentConfig) -> AgentRuntime:
+        """Load the agent, probe its runtime (S2, as at start), serve it, and tell the
+        gateway (`restarted`: its warm pool is started again)."""
+        new = await asyncio.to_thread(self._load, config)
+        if new.app is not None and new.sandboxes is not None and new.unavailable is None:
+            wanted = {agent_id: (self.config.gateway.runtime, new.app.image_id)}
+            verdict = (await check_runtimes(self.backend, wanted)).get(agent_id)
+            if verdict is not None and not verdict.ok:
+                new.unavailable = verdict.summary
+        self.agents.put(agent_id, new)
+        self.restarted(agent_id)
+        return new
 
     def around(self, fn: RunTurn) -> RunTurn:
         """Settle the conversation's agent before and after each of its turns."""

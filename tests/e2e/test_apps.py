@@ -293,6 +293,12 @@ def test_S5_L4_app_life_over_the_admin_api(
         }  # fmt: skip
         installed = c.api("/install", {"path": str(v1)})
         assert installed["steps"] and installed["isolateMemory"] is True
+        # F1: an agent added on a running gateway gets its warm pool, as at start
+        wait_for(
+            "the installed agent's warm pool",
+            lambda: pool_of(gw, agent) is not None and bool(pool_of(gw, agent).ready),
+            seconds=120,
+        )
         first = c.run("alice", f"{REMEMBER}; {SHOW}")
         assert "PERSONA-ONE" in first
         before = sandboxes(docker_client, app)
