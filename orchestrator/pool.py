@@ -120,9 +120,11 @@ class WarmPool:
         *,
         room: Room | None = None,
         current: Callable[[], bool] = lambda: True,
+        followed: Callable[[], bool] = lambda: False,
     ) -> None:
         self.sandboxes = sandboxes
         self.current = current  # False once its agent was restarted or dropped (L5)
+        self.followed = followed  # True once a newer pool of its agent took over
         self.settings = settings
         self.ops = ops
         self.binder = binder
@@ -423,6 +425,19 @@ class WarmPool:
                         await self.wake.wait()
         finally:
             await asyncio.shield(self.drain())
+            if not self.current() and not self.followed():
+                await asyncio.shield(self._end())
+
+    async def _end(self) -> None:
+        """The agent is gone or no longer pooled (uninstalled, stopped, made host-only):
+        its claimed sandboxes were removed with it (S5), so their slots are released, and
+        the stage and slot roots are unmounted. A pool that follows reuses them instead."""
+        for c in list(self.claimed.values()):
+            await self._retire(c.pooled)
+        if not self.followed():
+            # on the loop, not in a thread: no newer pool may set the roots up between
+            # this check and the unmount (a few umount calls, once per uninstall)
+            self.binder.teardown()
 
     async def _quiet(self) -> None:
         """While claims come in and their first turns run, those turns go first (F3):
@@ -493,7 +508,15 @@ class WarmPools:
         # two pools must never see each other's
         runner = self._residents.runner_files() if self._residents is not None else None
         binder = LateBinder(self._root / sb.app.agent, runner, engine_init)
-        pool = WarmPool(sb, self._settings, self._ops, binder, room=self.room, current=current)
+        pool = WarmPool(
+            sb,
+            self._settings,
+            self._ops,
+            binder,
+            room=self.room,
+            current=current,
+            followed=lambda: self._followed(agent_id),
+        )
         pool.residents = self._residents
         if sb.quota is not None and not isinstance(sb.quota, SparedQuota):
             sb.quota = SparedQuota(sb.quota, self._settings.size)
@@ -507,9 +530,14 @@ class WarmPools:
         for old in [p for p in self.pools if not p.current()]:
             old.wake.set()  # its loop sees it is no longer current, drains and ends
             self.pools.remove(old)
-        if not self._on or any(
-            p.current() and p.sandboxes.app.agent == agent_id for p in self.pools
-        ):
+        self._follow(agent_id)
+
+    def _followed(self, agent_id: str) -> bool:
+        return any(p.current() and p.sandboxes.app.agent == agent_id for p in self.pools)
+
+    def _follow(self, agent_id: str) -> None:
+        """A pool for the agent as it runs now, unless it has one or is not pooled."""
+        if not self._on or self._followed(agent_id):
             return
         rt = self._agents.get(agent_id)
         if rt is None or rt.unavailable is not None:

@@ -32,6 +32,7 @@ from orchestrator.gateway import Gateway
 from orchestrator.store import Store
 from sandbox.backends.docker import DockerBackend
 from sandbox.gateway_id import write_gateway_id
+from sandbox.latebind import mountpoints
 from tests.e2e.conftest import SUITE_ADMISSION
 from tests.support.run_id import RUN_ID, remove_run_containers, run_labels
 from tests.support.served import served_gateway
@@ -315,7 +316,13 @@ def test_S5_L4_app_life_over_the_admin_api(
         c.api(f"/{app}/stop")
         assert c.say("alice", "echo hi").status_code == 503
         c.api(f"/{app}/start")
+        wait_for(
+            "the started agent's warm pool",
+            lambda: pool_of(gw, agent) is not None and bool(pool_of(gw, agent).ready),
+            seconds=120,
+        )
         assert "fact-42" in c.run("alice", "cat /workspace/chats/*/MEMORY.md")
+        assert pool_of(gw, agent).claimed  # alice's sandbox is a pooled one, its slot bound
 
         backup = c.api(f"/{app}/backup", {"path": str(tmp_path / "api.tar.gz")})
         assert Path(backup["archive"]).is_file()
@@ -326,6 +333,12 @@ def test_S5_L4_app_life_over_the_admin_api(
         # the gateway a moment later (F1)
         wait_for("the app's sandboxes to go", lambda: not sandboxes(docker_client, app))
         assert [a["name"] for a in httpx.get(f"{url}/api/v1/apps", headers=c.headers).json()] == []
+        # F1: nothing of its warm pool stays mounted (the claimed slot, stage, slots)
+        pool_root = f"{(config.parent / 'pool').resolve()}/"
+        wait_for(
+            "the uninstalled app's pool mounts to go",
+            lambda: not [m for m in mountpoints() if m.startswith(pool_root) and agent in m],
+        )
 
     config2 = fresh_state(tmp_path, "two", base_image)
     with served_gateway(config2, DockerBackend.from_env) as (url, _):
