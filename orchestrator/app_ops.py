@@ -35,6 +35,7 @@ from orchestrator.apps import (
     installed_manifest,
     load_manifest,
     read_record,
+    replace_template,
     save_release,
     template_dir,
     write_agent_entry,
@@ -48,8 +49,6 @@ from sandbox.spec import LABEL_APP, LABEL_CONVERSATION, LABEL_GATEWAY, LABEL_MAN
 
 logger = logging.getLogger(__name__)
 
-KEPT_ON_UPDATE = ("chats", "media", "memory", "MEMORY.md", "USER.md", "kb.sqlite")
-"""What an update keeps of the workspace: the conversations and the agent's own memory."""
 BUILT_PREFIX = "cellgate-app-"
 REMOVAL_WAIT = 60.0  # seconds: a sandbox the running gateway is removing (F1) is gone by then
 
@@ -246,24 +245,6 @@ def remove_image_tag(docker: Any, ref: str, progress: Progress = _quiet) -> bool
 # -- update -------------------------------------------------------------------------------
 
 
-def _replace_template(template: Path, workspace: Path, staging: Path) -> None:
-    """Replace the workspace's release files with the template's; keep KEPT_ON_UPDATE."""
-    shutil.rmtree(staging, ignore_errors=True)
-    shutil.copytree(template, staging, symlinks=True)
-    for entry in list(workspace.iterdir()):
-        if entry.name in KEPT_ON_UPDATE:
-            continue
-        if entry.is_dir() and not entry.is_symlink():
-            shutil.rmtree(entry)
-        else:
-            entry.unlink()
-    for entry in list(staging.iterdir()):
-        if entry.name in KEPT_ON_UPDATE and (workspace / entry.name).exists():
-            continue
-        entry.rename(workspace / entry.name)
-    shutil.rmtree(staging, ignore_errors=True)
-
-
 def _log_modes(agent: str, old: InstalledApp, new: InstalledApp) -> None:
     for label, before, after in (
         ("isolateMemory", old.isolate_memory, new.isolate_memory),
@@ -300,7 +281,7 @@ def update_app(
     template = template_dir(app_dir, manifest)
     ref, iid = build_or_check_image(app_dir, manifest, docker, progress, build_args)
     progress(f"replacing the workspace template of {old.agent} (chats/ and media/ kept)")
-    _replace_template(template, old.workspace, old.agent_root / ".release-staging")
+    replace_template(template, old.workspace, old.agent_root / ".release-staging")
     new = InstalledApp(
         name=manifest.name,
         version=manifest.version,

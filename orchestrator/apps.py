@@ -250,6 +250,28 @@ def write_agent_entry(config_path: Path, entry: dict[str, Any]) -> None:
     write_config_document(config_path, doc)
 
 
+KEPT_ON_UPDATE = ("chats", "media", "memory", "MEMORY.md", "USER.md", "kb.sqlite")
+"""What an update keeps of the workspace: the conversations and the agent's own memory."""
+
+
+def replace_template(template: Path, workspace: Path, staging: Path) -> None:
+    """Replace the workspace's release files with the template's; keep KEPT_ON_UPDATE."""
+    shutil.rmtree(staging, ignore_errors=True)
+    shutil.copytree(template, staging, symlinks=True)
+    for entry in list(workspace.iterdir()):
+        if entry.name in KEPT_ON_UPDATE:
+            continue
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry)
+        else:
+            entry.unlink()
+    for entry in list(staging.iterdir()):
+        if entry.name in KEPT_ON_UPDATE and (workspace / entry.name).exists():
+            continue
+        entry.rename(workspace / entry.name)
+    shutil.rmtree(staging, ignore_errors=True)
+
+
 def save_release(app_dir: Path, record_dir: Path) -> None:
     """Keep the release's source (app.yaml, template, build context) beside the record,
     so a backup carries what restore needs to rebuild the image on another machine."""
@@ -294,6 +316,19 @@ def template_dir(app_dir: Path, manifest: AppManifest) -> Path:
     return template
 
 
+def kept_agent(record_dir: Path) -> str | None:
+    """The agent whose data an uninstall without --purge kept, from the release it left
+    beside its record (`app.yaml` stays, `app.json` goes); None when there is none."""
+    if (record_dir / "app.json").exists():
+        return None
+    try:
+        doc = yaml.safe_load((record_dir / "app.yaml").read_text(encoding="utf-8"))
+        name = doc["services"]["agent"]["name"]
+    except (OSError, yaml.YAMLError, KeyError, TypeError):
+        return None
+    return name if isinstance(name, str) else None
+
+
 def install_app(
     app_dir: Path,
     config_path: Path,
@@ -311,17 +346,26 @@ def install_app(
         raise AppError(manifest.name, "already installed; uninstall it or use an update")
     agent_root = state_dir / "agents" / svc.name
     workspace = agent_root / "workspace"
-    if workspace.exists():
+    kept = workspace.exists()
+    if kept and kept_agent(record_dir) != svc.name:
         raise AppError(
             manifest.name,
-            f"agent workspace {workspace} already exists (an uninstall without --purge keeps "
-            "it): restore a backup with `cellgate apps restore`, or move it away",
+            f"agent {svc.name} already has a workspace ({workspace}) that no uninstall of "
+            f"app {manifest.name} kept: move it away (or, to bring back that data, restore "
+            "its backup with `cellgate apps restore` on a state dir without it)",
         )
     template = template_dir(app_dir, manifest)
     ref, iid = build_or_check_image(app_dir, manifest, docker, progress, build_args)
 
     agent_root.mkdir(parents=True, exist_ok=True)
-    shutil.copytree(template, workspace, symlinks=True)
+    if kept:
+        progress(
+            f"found the data an uninstall kept for {svc.name} in {workspace}: installing over "
+            "it (chats/, media/ and memory kept; --purge at uninstall deletes them)"
+        )
+        replace_template(template, workspace, agent_root / ".release-staging")
+    else:
+        shutil.copytree(template, workspace, symlinks=True)
     app = InstalledApp(
         name=manifest.name,
         version=manifest.version,

@@ -247,6 +247,22 @@ def test_S5_L3_L4_app_life_over_the_cli(
         wait_for("the restart after start", lambda: running(gw, agent, "2"))
         assert "fact-42" in c.run("alice", "cat /workspace/chats/*/MEMORY.md")
 
+        # Uninstall without --purge keeps the data; installing the app again picks it up.
+        assert cli(["apps", "uninstall", app, "--config", str(config)]) == 0
+        wait_for("the gateway to drop the agent", lambda: agent not in gw.agents)
+        assert (state / "agents" / agent / "workspace" / "chats").is_dir()
+        other = release(tmp_path, "appsother", "1", "OTHER")  # another app, the same agent
+        doc = yaml.safe_load((other / "app.yaml").read_text())
+        doc["services"]["agent"]["name"] = agent
+        (other / "app.yaml").write_text(yaml.safe_dump(doc))
+        capsys.readouterr()
+        assert cli(["apps", "install", str(other), "--config", str(config)]) == 2
+        assert "move it away" in capsys.readouterr().err
+        assert cli(["apps", "install", str(v2), "--config", str(config)]) == 0
+        wait_for("the reinstalled agent", lambda: running(gw, agent, "2"))
+        again = c.run("alice", SHOW)
+        assert "fact-42" in again and "PERSONA-TWO" in again and "release-2" in again
+
         # Backup, then uninstall with --purge (which writes its own backup first).
         assert cli(["apps", "backup", app, "-o", str(tmp_path / "b.tar.gz"),
                     "--config", str(config)]) == 0  # fmt: skip
