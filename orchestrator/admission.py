@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import os
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -27,7 +28,7 @@ from orchestrator.bounded import LruMap
 from orchestrator.config import Admission as AdmissionSettings
 from orchestrator.store import ConversationId
 from orchestrator.store.views import RefusalStore
-from policies.admission import Bucket, queue_room, sandbox_room, take_token
+from policies.admission import Bucket, queue_room, sandbox_room, take_token, token_wait
 from policies.base import Decision
 
 logger = logging.getLogger(__name__)
@@ -54,8 +55,9 @@ class MessageGate:
 
     def check_rate(
         self, agent: str, channel: str, chat_id: str, sender: str
-    ) -> tuple[Decision, str] | None:
-        """The first refusal among the sender's and the chat's rates, with its key, or None."""
+    ) -> tuple[Decision, str, float] | None:
+        """The first refusal among the sender's and the chat's rates, with its key and the
+        seconds until that rate takes a message again; or None."""
         now = self.clock()
         s = self.settings
         chat_key = f"chat\0{agent}\0{channel}\0{chat_id}"
@@ -70,7 +72,7 @@ class MessageGate:
             )
             self._buckets.put(key, bucket)
             if not decision:
-                return decision, key
+                return decision, key, token_wait(bucket, per_minute)
         return None
 
     async def admit(
@@ -86,13 +88,13 @@ class MessageGate:
         refused = self.check_rate(agent, channel, chat_id, sender)
         if refused is None and conversation is not None:
             decision = queue_room(await pending(), self.settings.max_queued_per_chat)
-            if not decision:
-                refused = decision, f"queue\0{conversation}"
+            if not decision:  # no wait is known: the queue drains as the turns answer
+                refused = decision, f"queue\0{conversation}", self.settings.retry_after
         if refused is None:
             return
-        decision, key = refused
+        decision, key, wait = refused
         await self._audit(key, decision, conversation)
-        raise Throttled(decision.rule, decision.reason, retry_after=self.settings.retry_after)
+        raise Throttled(decision.rule, decision.reason, retry_after=math.ceil(wait))
 
     async def _audit(
         self, key: str, decision: Decision, conversation: ConversationId | None

@@ -7,6 +7,7 @@ them are idle. No clock is read here; `now` is a fact like any other.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -18,6 +19,7 @@ __all__ = [
     "queue_room",
     "sandbox_room",
     "take_token",
+    "token_wait",
 ]
 
 
@@ -44,11 +46,18 @@ def take_token(
         tokens = min(burst, bucket.tokens + max(0.0, now - bucket.at) * rate)
     if tokens >= 1.0:
         return allow("R4", f"{what} is within its rate"), Bucket(tokens - 1.0, now)
-    wait = (1.0 - tokens) / rate if rate > 0 else float("inf")
+    after = Bucket(tokens, now)
+    wait = math.ceil(token_wait(after, per_minute))
     return (
-        deny("R4", f"{what} more than {per_minute:g} messages a minute; wait {wait:.0f} s"),
-        Bucket(tokens, now),
+        deny("R4", f"{what} more than {per_minute:g} messages a minute; wait {wait} s"),
+        after,
     )
+
+
+def token_wait(bucket: Bucket, per_minute: float) -> float:
+    """Seconds from `bucket.at` until it holds a token again (what a refusal tells to wait)."""
+    rate = per_minute / 60.0
+    return max(0.0, (1.0 - bucket.tokens) / rate) if rate > 0 else float("inf")
 
 
 def queue_room(pending: int, max_queued: int) -> Decision:

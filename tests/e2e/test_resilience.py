@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 import shutil
 import subprocess
 import tempfile
@@ -179,6 +180,11 @@ def test_R4_a_flood_from_one_sender_is_refused_at_the_door(
         refused = [r for r in codes if r.status_code == 429]
         assert len(accepted) == 3 and len(refused) == 37
         assert refused[0].headers["Retry-After"] and refused[0].json()["error"]["rule"] == "R4"
+        # the header and the body name the same wait: the rate's, not a fixed default
+        said = re.search(r"wait (\d+) s", refused[-1].json()["error"]["message"])
+        assert said is not None, refused[-1].text
+        assert abs(int(refused[-1].headers["Retry-After"]) - int(said[1])) <= 1
+        assert int(said[1]) > 30  # one message a minute, the bucket empty
         assert len([r for r in gw.store.refusals() if r.action == "message"]) == 1
         r = client.say("other", "echo still-here", sender="alice")
         assert r.status_code == 200 and "still-here" in r.json()["reply"]
