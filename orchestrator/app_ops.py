@@ -465,10 +465,10 @@ def uninstall_app(
     remove_image_tag(docker, app.image, progress)
     record_dir = state_dir / "apps" / name
     (record_dir / "app.json").unlink()
+    quota = state_dir / "quota" / app.agent
+    for root in (app.agent_root, quota):  # its sandboxes are gone: nothing uses them now
+        release_all(root)
     if purge:
-        quota = state_dir / "quota" / app.agent
-        for root in (app.agent_root, quota):
-            release_all(root)
         progress(f"deleting {app.agent_root} and the store rows of {app.agent}")
         for path in (app.agent_root, quota, record_dir):
             shutil.rmtree(path, ignore_errors=False) if path.exists() else None

@@ -251,6 +251,12 @@ def test_S5_L3_L4_app_life_over_the_cli(
         assert cli(["apps", "uninstall", app, "--config", str(config)]) == 0
         wait_for("the gateway to drop the agent", lambda: agent not in gw.agents)
         assert (state / "agents" / agent / "workspace" / "chats").is_dir()
+        # nothing of it stays mounted: quota images, pool slots (its data is in the files)
+        root = f"{state.resolve()}/"
+        wait_for(
+            "the uninstalled agent's mounts to go",
+            lambda: not [m for m in mountpoints() if m.startswith(root) and agent in m],
+        )
         other = release(tmp_path, "appsother", "1", "OTHER")  # another app, the same agent
         doc = yaml.safe_load((other / "app.yaml").read_text())
         doc["services"]["agent"]["name"] = agent
