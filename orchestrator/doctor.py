@@ -114,12 +114,13 @@ def _base_image(f: _Facts) -> Check:
             f.base_image = ref
             return Check("base image", "ok", f"{ref} is present")
     shown = " or ".join(candidates)
-    return Check(
-        "base image",
-        "fail",
-        f"{shown} is not on this engine",
-        f"build it with scripts/build-base-image.sh, or `docker pull {candidates[0]}`",
+    fix = (
+        f"build it under that name with `scripts/build-base-image.sh {wanted}`, "
+        f"or `docker pull {wanted}` where a registry is reachable"
+        if wanted
+        else f"build {LOCAL_BASE} with scripts/build-base-image.sh, or `docker pull {DEFAULT_BASE}`"
     )
+    return Check("base image", "fail", f"{shown} is not on this engine", fix)
 
 
 def _app_images(f: _Facts) -> Check:
@@ -191,7 +192,8 @@ def _runtime(f: _Facts, runtime: str) -> Check:
         fix = (
             "install gVisor (scripts/setup-engine.sh) and register `runsc` in daemon.json"
             if runtime == "runsc"
-            else "register the runtime in /etc/docker/daemon.json and restart the engine"
+            else f"register `{runtime}` in /etc/docker/daemon.json and restart the engine, "
+            "or set gateway.runtime to one the engine has"
         )
         return Check(name, "fail" if needed else "warn", "not registered with the engine", fix)
     if f.base_image is None:
@@ -479,7 +481,11 @@ def _time_zone(_: _Facts) -> Check:
 def run_checks(config_path: Path | None) -> list[Check]:
     f = _Facts(config_path)
     out = [_config(f), _engine(f)]
-    out += [_base_image(f), _runtime(f, "runc"), _runtime(f, "runsc"), _app_images(f)]
+    out.append(_base_image(f))
+    configured = f.cfg.gateway.runtime if f.cfg is not None else None
+    for runtime in dict.fromkeys(["runc", "runsc", *([configured] if configured else [])]):
+        out.append(_runtime(f, runtime))  # the configured one too: the gateway runs it
+    out.append(_app_images(f))
     out += [_permissions(f), _quota(f), _channels(f), _time_zone(f)]
     if f.client is not None:
         f.client.close()

@@ -119,8 +119,21 @@ def test_o4_missing_base_image_is_named_with_its_fix(tmp_path: Path, docker_clie
     checks = by_name(r.stdout)
     assert checks["base image"]["status"] == "fail"
     assert missing in checks["base image"]["detail"]
-    assert "build-base-image.sh" in checks["base image"]["fix"]
+    # the fix builds the configured name, not another image the check would not find
+    assert f"build-base-image.sh {missing}" in checks["base image"]["fix"]
     assert checks["runtime runc"]["status"] == "skip"
+
+
+def test_o4_the_configured_runtime_is_probed(tmp_path: Path, docker_client: Any) -> None:
+    cfg = tmp_path / "config.json"
+    write_config_document(
+        cfg, {"gateway": {"stateDir": str(tmp_path / "state"), "runtime": "kata-nowhere"}}
+    )
+    r = doctor("--config", str(cfg), "--json")
+    assert r.returncode == 1, r.stdout
+    check = by_name(r.stdout)["runtime kata-nowhere"]
+    assert check["status"] == "fail" and "not registered" in check["detail"]
+    assert "gateway.runtime" in check["fix"]
 
 
 def test_o4_missing_app_image_is_named(tmp_path: Path, good_config: Path) -> None:
