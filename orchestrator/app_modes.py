@@ -86,8 +86,11 @@ def apply_declarations(config_path: Path, state_dir: Path) -> list[Reset]:
 
 
 def prepare_config(config_path: Path) -> GatewayConfig:
-    """The config a gateway starts with: app declarations applied first (L3)."""
-    cfg = load_config(config_path)
+    """The config a gateway starts with: app declarations applied first (L3), so an agent
+    entry they fix is not reported as skipped."""
+    cfg = load_config(config_path, quiet=True)
     if apply_declarations(config_path, cfg.gateway.state_dir):
-        cfg = load_config(config_path)
+        cfg = load_config(config_path, quiet=True)
+    for reason in cfg.skipped_agents:
+        logger.error("%s", reason)
     return cfg

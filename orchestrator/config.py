@@ -410,7 +410,7 @@ def read_config_document(path: Path) -> dict[str, Any]:
     return doc
 
 
-def parse_config(doc: dict[str, Any], source: str) -> GatewayConfig:
+def parse_config(doc: dict[str, Any], source: str, *, quiet: bool = False) -> GatewayConfig:
     """Validate a config document; skip bad agents with a logged reason."""
     raw_agents = doc.get("agents", [])
     if not isinstance(raw_agents, list):
@@ -431,12 +431,14 @@ def parse_config(doc: dict[str, Any], source: str) -> GatewayConfig:
         except ValidationError as exc:
             field, msg = every_validation_error(exc)
             reason = f"{source}: agents[{i}] ({name}): {field}: {msg}; agent skipped"
-            logger.error("%s", reason)
+            if not quiet:
+                logger.error("%s", reason)
             skipped.append(reason)
             continue
         if agent.id in seen:
             reason = f"{source}: agents[{i}] ({name}): id: duplicate agent id; agent skipped"
-            logger.error("%s", reason)
+            if not quiet:
+                logger.error("%s", reason)
             skipped.append(reason)
             continue
         seen.add(agent.id)
@@ -444,8 +446,10 @@ def parse_config(doc: dict[str, Any], source: str) -> GatewayConfig:
     return base.model_copy(update={"agents": tuple(agents), "skipped_agents": tuple(skipped)})
 
 
-def load_config(path: Path) -> GatewayConfig:
-    cfg = parse_config(read_config_document(path), str(path))
+def load_config(path: Path, *, quiet: bool = False) -> GatewayConfig:
+    """The config at `path`; a bad agent entry is skipped and logged (kept in
+    `skipped_agents` only, when `quiet`)."""
+    cfg = parse_config(read_config_document(path), str(path), quiet=quiet)
     state = cfg.gateway.state_dir.expanduser()
     if not state.is_absolute():
         state = (path.parent / state).resolve()

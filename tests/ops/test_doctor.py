@@ -218,3 +218,20 @@ def test_O4_doctor_words_config_errors_as_serve_does() -> None:
 
     errors = config_errors({"gateway": {"sandboxIdleMinute": 5}, "agents": []})
     assert errors == ["gateway.sandboxIdleMinute: unknown field (check its spelling)"]
+
+
+def test_O4_a_bad_agent_entry_is_a_warning_as_serve_skips_it(tmp_path: Path) -> None:
+    cfg = tmp_path / "config.json"
+    write_config_document(
+        cfg,
+        {
+            "gateway": {"stateDir": str(tmp_path / "state")},
+            "agents": [
+                {"id": "good-agent", "harness": {"type": "command", "argv": ["true"]}},
+                {"id": "bad-agent", "isolateMemory": "yes"},
+            ],
+        },
+    )
+    check = by_name(doctor("--config", str(cfg), "--json").stdout)["config"]
+    assert check["status"] == "warn", check
+    assert "good-agent" in check["detail"] and "agents[1].isolateMemory" in check["detail"]

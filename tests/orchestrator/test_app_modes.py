@@ -70,13 +70,18 @@ def test_L3_hand_edit_reset_at_start_with_a_log_line(
     assert stat.S_IMODE(path.stat().st_mode) == 0o600  # a config rewrite keeps 0600
 
 
-def test_L3_a_non_boolean_hand_edit_is_reset_not_skipped(tmp_path: Path) -> None:
+def test_L3_a_non_boolean_hand_edit_is_reset_not_skipped(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     state = tmp_path / "state"
     _installed(state, "shop", {"isolate_memory": True})
     path = _config(state, [{"id": "shop-bot", "app": "shop", "isolateMemory": "yes"}])
-    cfg = prepare_config(path)
+    with caplog.at_level(logging.ERROR):
+        cfg = prepare_config(path)
     agent = cfg.agent("shop-bot")
     assert agent is not None and agent.isolate_memory is True and not cfg.skipped_agents
+    # the log does not say it was skipped before the reset made it valid
+    assert not [r for r in caplog.records if "skipped" in r.getMessage()]
 
 
 def test_L3_release_without_the_line_turns_the_mode_off(tmp_path: Path) -> None:
