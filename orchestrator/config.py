@@ -377,6 +377,9 @@ def validation_errors(exc: ValidationError) -> list[tuple[str, str]]:
             msg = f"must be true or false (got {err['input']!r})"
         elif err["type"] == "extra_forbidden":
             msg = "unknown field (check its spelling)"
+        elif err["type"] == "string_type" and type(err["input"]) in (int, float):
+            # YAML and JSON read 1 and 1.10 as numbers (1.10 becomes 1.1)
+            msg = f'must be a string: put it in quotes ("{err["input"]}")'
         out.append((_field_path(tuple(err["loc"])), msg))
     return out
 

@@ -117,3 +117,16 @@ def test_defaults_are_the_documented_ones(tmp_path: Path) -> None:
     assert gw.memory.memory_budget_chars == 8000 and gw.memory.user_budget_chars == 3000
     assert gw.memory.over_budget == "warn"
     assert gw.listen.host == "127.0.0.1"
+
+
+def test_a_number_where_a_string_belongs_says_to_quote_it(tmp_path: Path) -> None:
+    import yaml
+
+    from orchestrator.apps import load_manifest
+
+    (tmp_path / "agent").mkdir()
+    svc = {"path": "./agent", "name": "vt-bot", "image": "x:1"}
+    doc = {"name": "vt", "version": 1.10, "services": {"agent": svc}}
+    (tmp_path / "app.yaml").write_text(yaml.safe_dump(doc))
+    with pytest.raises(ConfigError, match=r'version: must be a string: put it in quotes \("1.1"\)'):
+        load_manifest(tmp_path)
