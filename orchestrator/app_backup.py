@@ -51,6 +51,7 @@ from orchestrator.config import AGENT_ID_RE
 from orchestrator.sandboxes import reader_targets
 from orchestrator.store.db import DB_FILE, Database
 from policies.archive import ArchiveLimits, MemberFacts, member_allowed
+from sandbox.gateway_id import load_gateway_id
 from sandbox.images import Progress, image_exists
 from sandbox.quota import LoopQuota, QuotaLimits
 
@@ -561,7 +562,7 @@ def _move_in(
     if not image_exists(docker, app.image_id):
         progress(f"image {app.image} is not on this engine: rebuilding it from the backup")
         ref, iid = build_or_check_image(record_dir / "release", manifest, docker, progress,
-                                        build_args)  # fmt: skip
+                                        build_args, owner=load_gateway_id(state_dir))  # fmt: skip
         import dataclasses
 
         app = dataclasses.replace(app, image=ref, image_id=iid)

@@ -27,6 +27,7 @@ from typing import Any
 
 from cellgate.errors import AppError, ConfigError
 from orchestrator.apps import (
+    BUILT_PREFIX,
     AppManifest,
     InstalledApp,
     agent_entry,
@@ -49,7 +50,6 @@ from sandbox.spec import LABEL_APP, LABEL_CONVERSATION, LABEL_GATEWAY, LABEL_MAN
 
 logger = logging.getLogger(__name__)
 
-BUILT_PREFIX = "cellgate-app-"
 REMOVAL_WAIT = 60.0  # seconds: a sandbox the running gateway is removing (F1) is gone by then
 
 
@@ -279,7 +279,9 @@ def update_app(
             "uninstall and install instead",
         )
     template = template_dir(app_dir, manifest)
-    ref, iid = build_or_check_image(app_dir, manifest, docker, progress, build_args)
+    ref, iid = build_or_check_image(
+        app_dir, manifest, docker, progress, build_args, owner=load_gateway_id(state_dir)
+    )
     progress(f"replacing the workspace template of {old.agent} (chats/ and media/ kept)")
     replace_template(template, old.workspace, old.agent_root / ".release-staging")
     new = InstalledApp(

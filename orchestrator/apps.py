@@ -28,6 +28,7 @@ from orchestrator.config import (
     read_config_document,
     write_config_document,
 )
+from sandbox.gateway_id import load_gateway_id
 from sandbox.images import Progress, build_image, image_id
 
 logger = logging.getLogger(__name__)
@@ -286,17 +287,27 @@ def save_release(app_dir: Path, record_dir: Path) -> None:
     staged.rename(old)
 
 
+BUILT_PREFIX = "cellgate-app-"
+"""The tags cellgate builds: `cellgate-app-<app>:<version>-<gateway id>`."""
+
+
 def build_or_check_image(
     app_dir: Path,
     manifest: AppManifest,
     docker: Any,
     progress: Progress,
     build_args: Mapping[str, str] | None = None,
+    *,
+    owner: str,
 ) -> tuple[str, str]:
-    """The release's image reference and id: built from its context, or checked present."""
+    """The release's image reference and id: built from its context, or checked present.
+
+    A built image's tag names the gateway that owns it (`owner`, its id): two gateways on
+    one engine installing the same app must not untag each other's image (an update or
+    uninstall removes its old tag, and an image left without tags and sandboxes is gone)."""
     svc = manifest.services.agent
     if svc.build is not None:
-        tag = f"cellgate-app-{manifest.name}:{manifest.version}"
+        tag = f"{BUILT_PREFIX}{manifest.name}:{manifest.version}-{owner}"
         progress(f"building image {tag} for app {manifest.name}")
         context = _inside(app_dir, svc.build.context, "services.agent.build.context", "app.yaml")
         args = {**svc.build.args, **(build_args or {})}
@@ -355,7 +366,9 @@ def install_app(
             "its backup with `cellgate apps restore` on a state dir without it)",
         )
     template = template_dir(app_dir, manifest)
-    ref, iid = build_or_check_image(app_dir, manifest, docker, progress, build_args)
+    ref, iid = build_or_check_image(
+        app_dir, manifest, docker, progress, build_args, owner=load_gateway_id(state_dir)
+    )
 
     agent_root.mkdir(parents=True, exist_ok=True)
     if kept:

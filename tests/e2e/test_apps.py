@@ -248,6 +248,7 @@ def test_S5_L3_L4_app_life_over_the_cli(
         assert "fact-42" in c.run("alice", "cat /workspace/chats/*/MEMORY.md")
 
         # Uninstall without --purge keeps the data; installing the app again picks it up.
+        assert image_present(docker_client, f"cellgate-app-{app}:2-{RUN_ID}")  # its own tag
         assert cli(["apps", "uninstall", app, "--config", str(config)]) == 0
         wait_for("the gateway to drop the agent", lambda: agent not in gw.agents)
         assert (state / "agents" / agent / "workspace" / "chats").is_dir()
@@ -279,7 +280,7 @@ def test_S5_L3_L4_app_life_over_the_cli(
         assert purge_backup.is_file()
         assert entry(config, agent) is None
         assert not (state / "agents" / agent).exists()
-        assert not image_present(docker_client, f"cellgate-app-{app}:2")
+        assert not image_present(docker_client, f"cellgate-app-{app}:2-{RUN_ID}")
         wait_for("the gateway to drop the agent", lambda: agent not in gw.agents)
         # the CLI removed them; a sandbox a warm pool was making meanwhile is drained by
         # the gateway a moment later (F1)

@@ -8,11 +8,13 @@ other's sandboxes, and a turn running in one survives the other's start.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import shutil
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
+import docker
 import pytest
 
 from orchestrator.config import load_config
@@ -117,3 +119,29 @@ async def test_R1_two_gateways_same_app_keep_their_own_sandboxes(
         assert _ids(docker_client, RUN_ID) == mine_a
     finally:
         await restarted_b.close()
+
+
+def test_R1_an_uninstall_in_one_gateway_keeps_the_other_s_image(
+    tmp_path: Path, docker_client: Any, base_image: str
+) -> None:
+    """Image tags name their gateway: one gateway's update or uninstall removes its own tag,
+    never the tag (and so, maybe, the image) another gateway's install runs."""
+    from orchestrator.app_ops import uninstall_app
+    from orchestrator.apps import InstalledApp
+
+    app = "twintag"
+    for side in ("a", "b"):
+        (tmp_path / side).mkdir()
+    a = install_test_app(tmp_path / "a", docker_client, base_image, app)
+    b = install_test_app(tmp_path / "b", docker_client, base_image, app, gateway_id=OTHER_ID)
+    ours, theirs = (InstalledApp.load(p.parent, app) for p in (a, b))
+    try:
+        assert ours.image != theirs.image and ours.image.endswith(f"-{RUN_ID}")
+        uninstall_app(app, a, a.parent, docker_client, lambda _: None)
+        assert docker_client.images.get(theirs.image).id == theirs.image_id
+        with pytest.raises(docker.errors.ImageNotFound):
+            docker_client.images.get(ours.image)
+    finally:
+        for ref in (ours.image, theirs.image):
+            with contextlib.suppress(docker.errors.ImageNotFound):
+                docker_client.images.remove(ref, force=True)
