@@ -170,7 +170,9 @@ def cleanup(docker_client: Any) -> Iterator[list[str]]:
     for app in apps:
         remove_run_containers(docker_client, app)
         for ref in [t for img in docker_client.images.list() for t in img.tags]:
-            if ref.startswith(f"cellgate-app-{app}:"):
+            # this run's tags only (they name its gateway id): another run on this engine
+            # may be building the same app name right now
+            if ref.startswith(f"cellgate-app-{app}:") and ref.endswith(f"-{RUN_ID}"):
                 docker_client.images.remove(ref, force=True)
 
 
