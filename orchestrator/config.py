@@ -379,7 +379,10 @@ def validation_errors(exc: ValidationError) -> list[tuple[str, str]]:
             msg = "unknown field (check its spelling)"
         elif err["type"] == "string_type" and type(err["input"]) in (int, float):
             # YAML and JSON read 1 and 1.10 as numbers (1.10 becomes 1.1)
-            msg = f'must be a string: put it in quotes ("{err["input"]}")'
+            msg = (
+                f"must be a string, not the number {err['input']}: "
+                "put the value in quotes, as you wrote it"
+            )
         out.append((_field_path(tuple(err["loc"])), msg))
     return out
 

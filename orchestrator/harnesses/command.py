@@ -266,8 +266,9 @@ class CommandHarness(Harness):
             self._sessions.put(key, sid)
             self._reset.discard(key)
         reply = parsed.reply
-        if not parsed.ok and (timed_out or not reply.strip()):
-            reply = self._failure_reply(ctx, code, timed_out, stderr)
+        # a host command's failure output (stdout too) may name host paths: log only
+        if not parsed.ok and (timed_out or not reply.strip() or not ctx.backend.confined):
+            reply = self._failure_reply(ctx, code, timed_out, stderr, parsed.reply)
         return TurnResult(
             ok=parsed.ok,
             reply=reply,
@@ -278,11 +279,14 @@ class CommandHarness(Harness):
             ),
         )
 
-    def _failure_reply(self, ctx: SessionContext, code: int, timed_out: bool, stderr: bytes) -> str:
+    def _failure_reply(
+        self, ctx: SessionContext, code: int, timed_out: bool, stderr: bytes, stdout: str = ""
+    ) -> str:
         """R6: a failed turn's reply names the failure and a reference the log holds.
 
         A sandboxed command's own error output is shown with it (the conversation's
-        own sandbox printed it); a host agent's is only logged (it may name host paths).
+        own sandbox printed it); a host agent's output, either stream, is only logged
+        (it may name host paths).
         """
         ref = new_ref()
         tail = stderr.decode("utf-8", "replace").strip()[-2000:]
@@ -291,11 +295,13 @@ class CommandHarness(Harness):
             if timed_out
             else f"the agent command failed (exit {code})"
         )
+        out = stdout.strip()[-2000:]
         logger.warning(
-            "turn %s (ref %s): %s%s",
+            "turn %s (ref %s): %s%s%s",
             "timed out" if timed_out else "failed",
             ref,
             what,
+            f"; its output ends: {out}" if out else "",
             f"; its error output ends: {tail}" if tail else "",
             extra={"conversation": ctx.conversation.digest, "ref": ref},
         )

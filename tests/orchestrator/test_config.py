@@ -128,5 +128,8 @@ def test_a_number_where_a_string_belongs_says_to_quote_it(tmp_path: Path) -> Non
     svc = {"path": "./agent", "name": "vt-bot", "image": "x:1"}
     doc = {"name": "vt", "version": 1.10, "services": {"agent": svc}}
     (tmp_path / "app.yaml").write_text(yaml.safe_dump(doc))
-    with pytest.raises(ConfigError, match=r'version: must be a string: put it in quotes \("1.1"\)'):
+    with pytest.raises(
+        ConfigError,
+        match=r"version: must be a string, not the number 1\.1: put the value in quotes",
+    ):
         load_manifest(tmp_path)

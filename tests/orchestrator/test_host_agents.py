@@ -212,6 +212,15 @@ async def test_R6_a_host_command_s_error_output_stays_in_the_log(
     assert str(tmp_path) not in out.result.reply, out.result.reply
 
 
+async def test_R6_a_failing_host_command_s_own_output_stays_in_the_log(
+    make: Callable[..., Gateway], tmp_path: Path
+) -> None:
+    gw = make(_host_agent())
+    out = await gw.turn(AGENT, "api", "alice", f"echo 'no config at {tmp_path}/op.cfg'; exit 2")
+    assert not out.result.ok and "(ref r-" in out.result.reply
+    assert str(tmp_path) not in out.result.reply, out.result.reply
+
+
 async def test_R6_a_timed_out_turn_carries_a_reference(make: Callable[..., Gateway]) -> None:
     agent = _host_agent()
     agent["harness"]["timeoutSeconds"] = 1
