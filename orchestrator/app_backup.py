@@ -39,10 +39,12 @@ from typing import IO, Any
 from cellgate.errors import AppError, ConversationError, QuotaError
 from cellgate.models import ConversationKey
 from orchestrator.apps import (
+    BUILT_PREFIX,
     InstalledApp,
     agent_entry,
     build_or_check_image,
     installed_manifest,
+    own_tag,
     read_record,
     write_agent_entry,
     write_record,
@@ -559,10 +561,20 @@ def _move_in(
     (staging / "workspace").rename(agent_root / "workspace")
     app = InstalledApp.load(state_dir, name)
     manifest = installed_manifest(state_dir, name)
+    owner = load_gateway_id(state_dir)
+    ref, iid = app.image, app.image_id
     if not image_exists(docker, app.image_id):
         progress(f"image {app.image} is not on this engine: rebuilding it from the backup")
         ref, iid = build_or_check_image(record_dir / "release", manifest, docker, progress,
-                                        build_args, owner=load_gateway_id(state_dir))  # fmt: skip
+                                        build_args, owner=owner)  # fmt: skip
+    elif app.image.startswith(BUILT_PREFIX) and app.image != own_tag(manifest, owner):
+        # the image is here under the backed-up gateway's tag: tag it as this gateway's
+        # own, so an update or uninstall here never removes that other gateway's tag (R1)
+        ref = own_tag(manifest, owner)
+        repo, _, tag = ref.rpartition(":")
+        docker.api.tag(app.image_id, repo, tag)
+        progress(f"tagged image {app.image_id[:19]} as {ref}")
+    if (ref, iid) != (app.image, app.image_id):
         import dataclasses
 
         app = dataclasses.replace(app, image=ref, image_id=iid)

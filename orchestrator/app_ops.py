@@ -225,11 +225,15 @@ def _forget_sandboxes(state_dir: Path, names: Sequence[str]) -> None:
         db.close()
 
 
-def remove_image_tag(docker: Any, ref: str, progress: Progress = _quiet) -> bool:
-    """Remove a tag cellgate built (`cellgate-app-*`); a referenced image is never removed."""
+def remove_image_tag(docker: Any, ref: str, progress: Progress = _quiet, *, owner: str) -> bool:
+    """Remove a tag this gateway built (`cellgate-app-*-<owner>`); a referenced image is
+    never removed, and neither is another gateway's tag (R1)."""
     from docker import errors as docker_errors
 
     if not ref.startswith(BUILT_PREFIX):
+        return False
+    if not ref.endswith(f"-{owner}"):
+        logger.info("image tag %s left in place: this gateway did not build it", ref)
         return False
     try:
         docker.api.remove_image(ref, noprune=False)
@@ -308,7 +312,7 @@ def update_app(
     if remove_sandboxes:
         remove_app_sandboxes(docker, state_dir, new.name, new.agent, progress)
         if old.image != ref:
-            remove_image_tag(docker, old.image, progress)
+            remove_image_tag(docker, old.image, progress, owner=load_gateway_id(state_dir))
     logger.info("updated app %s %s -> %s (image %s)", new.name, old.version, new.version, ref)
     return old, new
 
@@ -464,7 +468,7 @@ def uninstall_app(
         remove_app_sandboxes(docker, state_dir, name, app.agent, progress)
     if remove_agent_entry(config_path, app.agent, name):
         progress(f"removed agent {app.agent} from {config_path}")
-    remove_image_tag(docker, app.image, progress)
+    remove_image_tag(docker, app.image, progress, owner=load_gateway_id(state_dir))
     record_dir = state_dir / "apps" / name
     (record_dir / "app.json").unlink()
     quota = state_dir / "quota" / app.agent

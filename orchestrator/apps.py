@@ -291,6 +291,11 @@ BUILT_PREFIX = "cellgate-app-"
 """The tags cellgate builds: `cellgate-app-<app>:<version>-<gateway id>`."""
 
 
+def own_tag(manifest: AppManifest, owner: str) -> str:
+    """The tag gateway `owner` gives the image it builds for this release."""
+    return f"{BUILT_PREFIX}{manifest.name}:{manifest.version}-{owner}"
+
+
 def build_or_check_image(
     app_dir: Path,
     manifest: AppManifest,
@@ -307,7 +312,7 @@ def build_or_check_image(
     uninstall removes its old tag, and an image left without tags and sandboxes is gone)."""
     svc = manifest.services.agent
     if svc.build is not None:
-        tag = f"{BUILT_PREFIX}{manifest.name}:{manifest.version}-{owner}"
+        tag = own_tag(manifest, owner)
         progress(f"building image {tag} for app {manifest.name}")
         context = _inside(app_dir, svc.build.context, "services.agent.build.context", "app.yaml")
         args = {**svc.build.args, **(build_args or {})}

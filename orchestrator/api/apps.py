@@ -179,7 +179,8 @@ async def update(name: AppName, body: DirIn, who: CallerKey, ctx: Ctx) -> dict[s
                               steps, _build_args(ctx), remove_sandboxes=False)  # fmt: skip
         waiting = await ctx.gateway.reloader.reload()
         if old.image != app.image and app.agent not in waiting:  # its sandboxes are gone now
-            await _run(app_ops.remove_image_tag, client, old.image, steps)
+            owner = ctx.gateway.gateway_id
+            await _run(app_ops.remove_image_tag, client, old.image, steps, owner=owner)
     finally:
         client.close()
     return _done(app, steps, restartPending=app.agent in waiting)

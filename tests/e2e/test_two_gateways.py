@@ -124,24 +124,39 @@ async def test_R1_two_gateways_same_app_keep_their_own_sandboxes(
 def test_R1_an_uninstall_in_one_gateway_keeps_the_other_s_image(
     tmp_path: Path, docker_client: Any, base_image: str
 ) -> None:
-    """Image tags name their gateway: one gateway's update or uninstall removes its own tag,
-    never the tag (and so, maybe, the image) another gateway's install runs."""
+    """Image tags name their gateway: one gateway's update, uninstall or restore touches its
+    own tag, never the tag (and so, maybe, the image) another gateway's install runs."""
+    from orchestrator.app_backup import backup_app, restore_app
     from orchestrator.app_ops import uninstall_app
     from orchestrator.apps import InstalledApp
+    from orchestrator.config import write_config_document
+    from sandbox.gateway_id import write_gateway_id
 
-    app = "twintag"
-    for side in ("a", "b"):
+    app, quiet = "twintag", lambda _: None
+    for side in ("a", "b", "c"):
         (tmp_path / side).mkdir()
     a = install_test_app(tmp_path / "a", docker_client, base_image, app)
     b = install_test_app(tmp_path / "b", docker_client, base_image, app, gateway_id=OTHER_ID)
+    c_state, c_id = tmp_path / "c" / "state", f"{RUN_ID}-c"
+    c_state.mkdir()
+    write_gateway_id(c_state, c_id)
+    c = c_state / "config.json"
+    write_config_document(c, {"gateway": {"stateDir": str(c_state)}, "agents": []})
     ours, theirs = (InstalledApp.load(p.parent, app) for p in (a, b))
+    made = [ours.image, theirs.image, f"cellgate-app-{app}:{ours.version}-{c_id}"]
     try:
         assert ours.image != theirs.image and ours.image.endswith(f"-{RUN_ID}")
-        uninstall_app(app, a, a.parent, docker_client, lambda _: None)
+        # a restore next to the backed-up gateway tags the image as its own
+        backup = backup_app(app, a.parent, tmp_path / "a.tgz", quiet)
+        restored = restore_app(backup, c, c_state, docker_client, quiet)
+        assert restored.image == made[2] and restored.image_id == ours.image_id
+        uninstall_app(app, c, c_state, docker_client, quiet)
+        assert docker_client.images.get(ours.image).id == ours.image_id
+        uninstall_app(app, a, a.parent, docker_client, quiet)
         assert docker_client.images.get(theirs.image).id == theirs.image_id
         with pytest.raises(docker.errors.ImageNotFound):
             docker_client.images.get(ours.image)
     finally:
-        for ref in (ours.image, theirs.image):
+        for ref in made:
             with contextlib.suppress(docker.errors.ImageNotFound):
                 docker_client.images.remove(ref, force=True)
