@@ -46,6 +46,7 @@ from orchestrator.config import read_config_document, write_config_document
 from orchestrator.store.db import DB_FILE, Database
 from sandbox.gateway_id import load_gateway_id
 from sandbox.images import Progress
+from sandbox.latebind import detach_under
 from sandbox.spec import LABEL_APP, LABEL_CONVERSATION, LABEL_GATEWAY, LABEL_MANAGED
 
 logger = logging.getLogger(__name__)
@@ -198,6 +199,17 @@ def remove_app_sandboxes(
         removed.append(name)
     _forget_sandboxes(state_dir, removed)
     return removed
+
+
+def _app_sandboxes(docker: Any, state_dir: Path, app: str) -> list[str]:
+    """The names of this gateway's containers of `app` that exist now (R1)."""
+    labels = [
+        f"{LABEL_MANAGED}=1",
+        f"{LABEL_GATEWAY}={load_gateway_id(state_dir)}",
+        f"{LABEL_APP}={app}",
+    ]
+    rows = docker.api.containers(all=True, filters={"label": labels})
+    return [str(row["Names"][0]).lstrip("/") for row in rows]
 
 
 def _gone(docker: Any, container_id: str, timeout: float) -> bool:
@@ -472,8 +484,14 @@ def uninstall_app(
     record_dir = state_dir / "apps" / name
     (record_dir / "app.json").unlink()
     quota = state_dir / "quota" / app.agent
-    for root in (app.agent_root, quota):  # its sandboxes are gone: nothing uses them now
-        release_all(root)
+    left = _app_sandboxes(docker, state_dir, name)
+    if left:  # a turn still runs in them: their mounts go when the gateway removes them
+        progress(f"{len(left)} sandbox(es) still run a turn; their mounts stay until then")
+    else:  # nothing uses them now; the data stays in the image files
+        for root in (app.agent_root, quota):
+            release_all(root)
+        pool = state_dir / "pool" / load_gateway_id(state_dir) / app.agent
+        detach_under(pool.resolve())  # its warm pool's stage and slots (F1)
     if purge:
         progress(f"deleting {app.agent_root} and the store rows of {app.agent}")
         for path in (app.agent_root, quota, record_dir):

@@ -307,8 +307,8 @@ class WarmPool:
         Cancelled (shutdown, restart), it tells the worker thread to stop and waits for
         the spare it is making: nothing is mounted under the state dir after `close`."""
         quota = self.sandboxes.quota
-        if not isinstance(quota, SparedQuota):
-            return
+        if not isinstance(quota, SparedQuota) or not self.current():
+            return  # an agent gone or restarted makes no spares
         agent, size = self.sandboxes.app.agent, self.settings.size
         job = asyncio.ensure_future(asyncio.to_thread(quota.refill, agent, size, self._stop))
         try:
@@ -434,10 +434,14 @@ class WarmPool:
         the stage and slot roots are unmounted. A pool that follows reuses them instead."""
         for c in list(self.claimed.values()):
             await self._retire(c.pooled)
-        if not self.followed():
-            # on the loop, not in a thread: no newer pool may set the roots up between
-            # this check and the unmount (a few umount calls, once per uninstall)
-            self.binder.teardown()
+        if self.followed():
+            return
+        # on the loop, not in a thread: no newer pool may set the roots up between
+        # this check and the unmount (a few umount calls, once per uninstall)
+        self.binder.teardown()
+        quota = self.sandboxes.quota
+        if isinstance(quota, SparedQuota):  # the spares it mounted (under their file lock)
+            await asyncio.to_thread(quota.release_spares, self.sandboxes.app.agent)
 
     async def _quiet(self) -> None:
         """While claims come in and their first turns run, those turns go first (F3):

@@ -233,6 +233,18 @@ class SparedQuota(LoopQuota):
             finally:
                 os.close(fd)
 
+    def release_spares(self, agent: str) -> None:
+        """Detach every spare's mount (its agent is gone or no longer pooled); the image
+        files stay, and `refill` mounts them again if the agent comes back."""
+        d = self.root / agent
+        if not d.is_dir():
+            return
+        with locked(d / LOCK):
+            for name in self._spares(agent):
+                spare = d / name
+                if _mounted(spare, _mnt(spare)):
+                    detach(str(_mnt(spare)))
+
     def _remount_spares(self, agent: str) -> None:
         """Mount spares that are not (after a reboot); drop pending ones a crash left."""
         d = self.root / agent

@@ -358,11 +358,12 @@ def test_S5_L4_app_life_over_the_admin_api(
         # the gateway a moment later (F1)
         wait_for("the app's sandboxes to go", lambda: not sandboxes(docker_client, app))
         assert [a["name"] for a in httpx.get(f"{url}/api/v1/apps", headers=c.headers).json()] == []
-        # F1: nothing of its warm pool stays mounted (the claimed slot, stage, slots)
-        pool_root = f"{(config.parent / 'pool').resolve()}/"
+        # F1, R2: nothing of it stays mounted (the claimed slot, stage, slots, spare quota
+        # images a refill may have mounted meanwhile)
+        root = f"{config.parent.resolve()}/"
         wait_for(
-            "the uninstalled app's pool mounts to go",
-            lambda: not [m for m in mountpoints() if m.startswith(pool_root) and agent in m],
+            "the uninstalled app's mounts to go",
+            lambda: not [m for m in mountpoints() if m.startswith(root) and agent in m],
         )
 
     config2 = fresh_state(tmp_path, "two", base_image)
@@ -381,6 +382,32 @@ def test_S5_L4_app_life_over_the_admin_api(
         assert not (config2.parent / "agents").exists() and entry(config2, agent) is None
         c.api("/restore", {"archive": str(tmp_path / "p.tgz")})
         assert "fact-42" in c.run("alice", "cat /workspace/chats/*/MEMORY.md")
+
+
+def test_F1_R2_uninstall_on_a_stopped_gateway_leaves_no_mount(
+    tmp_path: Path, docker_client: Any, base_image: str, cleanup: list[str]
+) -> None:
+    """A stopped gateway leaves its sandboxes and their mounts for the next start; an
+    uninstall then removes the sandboxes, and the quota and warm-pool mounts with them."""
+    app, agent = "appsoff", "appsoff-bot"
+    cleanup.append(app)
+    config = fresh_state(tmp_path, "one", base_image)
+    state = config.parent
+    assert cli(["apps", "install", str(release(tmp_path, app, "1", "P1")),
+                "--config", str(config)]) == 0  # fmt: skip
+    with served_gateway(config, DockerBackend.from_env, background=True) as (url, gw):
+        wait_for(
+            "the warm pool",
+            lambda: pool_of(gw, agent) is not None and bool(pool_of(gw, agent).ready),
+            seconds=120,
+        )
+        assert "fact-42" in Client(url, agent).run("alice", f"{REMEMBER}; {SHOW}")
+        assert pool_of(gw, agent).claimed
+    root = f"{state.resolve()}/"
+    assert [m for m in mountpoints() if m.startswith(root) and agent in m]  # kept for a start
+    assert cli(["apps", "uninstall", app, "--config", str(config)]) == 0
+    assert not sandboxes(docker_client, app)
+    assert not [m for m in mountpoints() if m.startswith(root) and agent in m]
 
 
 def test_L5_mode_flip_waits_for_the_running_turn_then_the_agent_restarts(

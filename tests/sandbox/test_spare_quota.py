@@ -100,6 +100,15 @@ def test_F1_R2_an_unmounted_spare_is_mounted_again_or_taken_as_it_is(
     assert loop_backing_file(os.stat(c.chat).st_dev) == str(spared.image(AGENT, c.digest))
 
 
+def test_F1_R2_an_agent_gone_has_its_spares_released_and_a_return_mounts_them(
+    spared: SparedQuota,
+) -> None:
+    assert spared.refill(AGENT) == 2
+    spared.release_spares(AGENT)  # its pool ended for good (uninstall, stop)
+    assert spare_mounts(spared) == [] and spared.spares(AGENT) == 2  # the images stay
+    assert spared.refill(AGENT) == 0 and len(spare_mounts(spared)) == 2  # back: mounted again
+
+
 def test_F1_R2_a_pending_spare_left_by_a_crash_is_removed(
     spared: SparedQuota, tmp_path: Path
 ) -> None:
