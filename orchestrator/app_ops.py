@@ -201,17 +201,6 @@ def remove_app_sandboxes(
     return removed
 
 
-def _app_sandboxes(docker: Any, state_dir: Path, app: str) -> list[str]:
-    """The names of this gateway's containers of `app` that exist now (R1)."""
-    labels = [
-        f"{LABEL_MANAGED}=1",
-        f"{LABEL_GATEWAY}={load_gateway_id(state_dir)}",
-        f"{LABEL_APP}={app}",
-    ]
-    rows = docker.api.containers(all=True, filters={"label": labels})
-    return [str(row["Names"][0]).lstrip("/") for row in rows]
-
-
 def _gone(docker: Any, container_id: str, timeout: float) -> bool:
     """Wait (bounded) for a container someone else is removing to be gone."""
     from docker import errors as docker_errors
@@ -484,10 +473,13 @@ def uninstall_app(
     record_dir = state_dir / "apps" / name
     (record_dir / "app.json").unlink()
     quota = state_dir / "quota" / app.agent
-    left = _app_sandboxes(docker, state_dir, name)
-    if left:  # a turn still runs in them: their mounts go when the gateway removes them
-        progress(f"{len(left)} sandbox(es) still run a turn; their mounts stay until then")
-    else:  # nothing uses them now; the data stays in the image files
+    # a sandbox left running a turn keeps its mounts until the gateway removes it (a purge
+    # deletes the data regardless); otherwise nothing uses them now, and the data stays in
+    # the image files
+    busy = set() if purge else _busy_conversations(state_dir, app.agent)
+    if busy:
+        progress(f"{len(busy)} conversation(s) still run a turn; their mounts stay until then")
+    else:
         for root in (app.agent_root, quota):
             release_all(root)
         pool = state_dir / "pool" / load_gateway_id(state_dir) / app.agent

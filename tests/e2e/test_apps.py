@@ -410,6 +410,33 @@ def test_F1_R2_uninstall_on_a_stopped_gateway_leaves_no_mount(
     assert not [m for m in mountpoints() if m.startswith(root) and agent in m]
 
 
+def test_R2_uninstall_mid_turn_keeps_that_conversation_s_disk_mounted(
+    tmp_path: Path, docker_client: Any, base_image: str, cleanup: list[str]
+) -> None:
+    """An uninstall leaves a sandbox that runs a turn to the gateway; that conversation's
+    disk image stays mounted until then, so what the gateway writes after the turn (its
+    transcript) lands in the image and is there when the app is installed again."""
+    app, agent = "appsmid", "appsmid-bot"
+    cleanup.append(app)
+    config = fresh_state(tmp_path, "one", base_image)
+    v1 = release(tmp_path, app, "1", "P1")
+    assert cli(["apps", "install", str(v1), "--config", str(config)]) == 0
+    with served_gateway(config, DockerBackend.from_env, background=True) as (url, gw):
+        c = Client(url, agent)
+        c.run("alice", "true")
+        replies: list[str] = []
+        t = threading.Thread(target=lambda: replies.append(c.run("alice", "sleep 5; echo slow-7")))
+        t.start()
+        wait_for("the slow turn to start", lambda: bool(gw.reloader.busy_now(agent)), 30)
+        assert cli(["apps", "uninstall", app, "--config", str(config)]) == 0
+        t.join(120)
+        assert replies and "slow-7" in replies[0]
+        wait_for("the gateway to drop the agent", lambda: agent not in gw.agents, 60)
+        assert cli(["apps", "install", str(v1), "--config", str(config)]) == 0
+        wait_for("the reinstalled agent", lambda: running(gw, agent, "1"), 60)
+        assert "slow-7" in c.run("alice", "cat /workspace/chats/*/transcript.jsonl")
+
+
 def test_L5_mode_flip_waits_for_the_running_turn_then_the_agent_restarts(
     tmp_path: Path, docker_client: Any, base_image: str, cleanup: list[str]
 ) -> None:
