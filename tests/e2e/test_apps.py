@@ -95,6 +95,14 @@ def fresh_state(tmp: Path, label: str, base_image: str) -> Path:
     return config
 
 
+def installed(tmp: Path, app: str, persona: str, base_image: str) -> tuple[Path, Path]:
+    """A fresh state dir with release 1 of `app` installed by the CLI; (config, release)."""
+    config = fresh_state(tmp, "one", base_image)
+    v1 = release(tmp, app, "1", persona)
+    assert cli(["apps", "install", str(v1), "--config", str(config)]) == 0
+    return config, v1
+
+
 class Client:
     def __init__(self, url: str, agent: str) -> None:
         self.url = url
@@ -187,10 +195,8 @@ def test_S5_L3_L4_app_life_over_the_cli(
 ) -> None:  # fmt: skip
     app, agent = "appscli", "appscli-bot"
     cleanup.append(app)
-    config = fresh_state(tmp_path, "one", base_image)
+    config, _ = installed(tmp_path, app, "PERSONA-ONE", base_image)
     state = config.parent
-    assert cli(["apps", "install", str(release(tmp_path, app, "1", "PERSONA-ONE")),
-                "--config", str(config)]) == 0  # fmt: skip
     with served_gateway(config, DockerBackend.from_env, background=True) as (url, gw):
         c = Client(url, agent)
         first = c.run("alice", f"{REMEMBER}; {SHOW}")
@@ -391,10 +397,8 @@ def test_F1_R2_uninstall_on_a_stopped_gateway_leaves_no_mount(
     uninstall then removes the sandboxes, and the quota and warm-pool mounts with them."""
     app, agent = "appsoff", "appsoff-bot"
     cleanup.append(app)
-    config = fresh_state(tmp_path, "one", base_image)
+    config, _ = installed(tmp_path, app, "P1", base_image)
     state = config.parent
-    assert cli(["apps", "install", str(release(tmp_path, app, "1", "P1")),
-                "--config", str(config)]) == 0  # fmt: skip
     with served_gateway(config, DockerBackend.from_env, background=True) as (url, gw):
         wait_for(
             "the warm pool",
@@ -418,9 +422,7 @@ def test_R2_uninstall_mid_turn_keeps_that_conversation_s_disk_mounted(
     transcript) lands in the image and is there when the app is installed again."""
     app, agent = "appsmid", "appsmid-bot"
     cleanup.append(app)
-    config = fresh_state(tmp_path, "one", base_image)
-    v1 = release(tmp_path, app, "1", "P1")
-    assert cli(["apps", "install", str(v1), "--config", str(config)]) == 0
+    config, v1 = installed(tmp_path, app, "P1", base_image)
     with served_gateway(config, DockerBackend.from_env, background=True) as (url, gw):
         c = Client(url, agent)
         c.run("alice", "true")
@@ -442,9 +444,7 @@ def test_L5_mode_flip_waits_for_the_running_turn_then_the_agent_restarts(
 ) -> None:
     app, agent = "appsl5", "appsl5-bot"
     cleanup.append(app)
-    config = fresh_state(tmp_path, "one", base_image)
-    assert cli(["apps", "install", str(release(tmp_path, app, "1", "P1")),
-                "--config", str(config)]) == 0  # fmt: skip
+    config, _ = installed(tmp_path, app, "P1", base_image)
     with served_gateway(config, DockerBackend.from_env, background=True) as (url, gw):
         c = Client(url, agent)
         assert "MODE=isolated" in c.run("alice", MODE)

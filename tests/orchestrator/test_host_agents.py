@@ -203,20 +203,18 @@ async def test_R6_a_failing_host_command_shows_a_chat_a_reference_not_host_paths
     assert logged and str(missing) in logged[0]  # the operator finds it under the ref
 
 
-async def test_R6_a_host_command_s_error_output_stays_in_the_log(
-    make: Callable[..., Gateway], tmp_path: Path
+@pytest.mark.parametrize(
+    "command",
+    [
+        pytest.param("cat {tmp}/nothing-here", id="stderr"),
+        pytest.param("echo 'no config at {tmp}/op.cfg'; exit 2", id="stdout"),
+    ],
+)
+async def test_R6_a_failing_host_command_s_output_stays_in_the_log(
+    make: Callable[..., Gateway], tmp_path: Path, command: str
 ) -> None:
     gw = make(_host_agent())
-    out = await gw.turn(AGENT, "api", "alice", f"cat {tmp_path}/nothing-here")
-    assert not out.result.ok and "(ref r-" in out.result.reply
-    assert str(tmp_path) not in out.result.reply, out.result.reply
-
-
-async def test_R6_a_failing_host_command_s_own_output_stays_in_the_log(
-    make: Callable[..., Gateway], tmp_path: Path
-) -> None:
-    gw = make(_host_agent())
-    out = await gw.turn(AGENT, "api", "alice", f"echo 'no config at {tmp_path}/op.cfg'; exit 2")
+    out = await gw.turn(AGENT, "api", "alice", command.format(tmp=tmp_path))
     assert not out.result.ok and "(ref r-" in out.result.reply
     assert str(tmp_path) not in out.result.reply, out.result.reply
 
