@@ -6,7 +6,8 @@ Checks, in order: the engine (reachable, its version), the runtimes (runc,
 runsc: a tiny hardened container runs `ls /` and `stat /` in each), the base
 and app images, the config (every error, with the file and field path), the
 state directory's and the config file's permissions, quota support for R2
-(loop device + mkfs.ext4 + mount, or project quotas), channel tokens
+(loop device + mkfs.ext4 + mount, or project quotas), the resident runner
+(native, or the Python one when the native one is not built), channel tokens
 (only where a config names some), and the time zone. A check that cannot run
 because an earlier one failed is `skip`; a failing one says what to do.
 `render_table` and `render_json` print them; any `fail` makes the exit status 1.
@@ -31,6 +32,7 @@ import docker.errors
 from pydantic import ValidationError
 
 from cellgate.errors import CellgateError, ConfigError
+from sandbox.runner_client import NATIVE_NAME, native_runner
 
 Status = Literal["ok", "warn", "fail", "skip"]
 
@@ -340,6 +342,21 @@ def _permissions(f: _Facts) -> Check:
     return Check("permissions", "ok", f"{f.config_path} is 0600 and the state directory is ours")
 
 
+def _runner(f: _Facts) -> Check:
+    """Which resident runner (F2) the gateway starts in its sandboxes."""
+    if f.cfg is not None and not f.cfg.gateway.resident_runner:
+        return Check("resident runner", "skip", "off (gateway.residentRunner): turns use exec")
+    if native_runner() is not None:
+        return Check("resident runner", "ok", f"native ({NATIVE_NAME})")
+    return Check(
+        "resident runner",
+        "warn",
+        "the native runner is not built: each sandbox starts a Python runner (slower first "
+        "turns; images without python3 run every turn by exec)",
+        "run scripts/build-runner.sh (it needs a C compiler and a static libc), then restart",
+    )
+
+
 def _try(cmd: list[str]) -> str | None:
     """None when the command succeeds, else why not."""
     try:
@@ -496,7 +513,7 @@ def run_checks(config_path: Path | None) -> list[Check]:
     for runtime in dict.fromkeys(["runc", "runsc", *([configured] if configured else [])]):
         out.append(_runtime(f, runtime))  # the configured one too: the gateway runs it
     out.append(_app_images(f))
-    out += [_permissions(f), _quota(f), _channels(f), _time_zone(f)]
+    out += [_permissions(f), _quota(f), _runner(f), _channels(f), _time_zone(f)]
     if f.client is not None:
         f.client.close()
     return out

@@ -22,6 +22,7 @@ import asyncio
 import builtins
 import contextlib
 import logging
+import os
 import secrets
 import threading
 from collections import OrderedDict
@@ -41,12 +42,14 @@ from sandbox.backends.base import (
     SandboxNotFound,
 )
 from sandbox.backends.docker import EXEC_MARKER_ENV, DockerBackend
-from sandbox.backends.docker_pool import RUNNER_ARGV, DockerPoolOps
+from sandbox.backends.docker_pool import NATIVE_ARGV, RUNNER_ARGV, DockerPoolOps
 from sandbox.runner_client import (
+    NATIVE_NAME,
     RUNNER_CODE_NAME,
     RUNNER_LOST,
     RUNNER_NAME,
     RunnerSocket,
+    native_runner,
     runner_code,
 )
 from sandbox.spec import SandboxSpec
@@ -61,12 +64,16 @@ RUNNER_RUNTIMES = (None, "runc")
 
 
 class ResidentBackend(SandboxBackend):
-    def __init__(self, inner: DockerBackend, *, max_runners: int = MAX_RUNNERS) -> None:
+    def __init__(
+        self, inner: DockerBackend, *, max_runners: int = MAX_RUNNERS, native: bool = True
+    ) -> None:
+        """`native`: run the native runner when it was built (else, or False: the Python one)."""
         self.inner = inner
         self.ops = DockerPoolOps(inner)
         self.max_runners = max_runners
         self._runners: OrderedDict[str, RunnerSocket] = OrderedDict()
         self._users: dict[str, str] = {}
+        self._argv: dict[str, list[str]] = {}  # how each sandbox's runner is started by exec
         self._launches: dict[str, int] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self._starters: dict[str, Callable[[], bool]] = {}
@@ -78,6 +85,12 @@ class ResidentBackend(SandboxBackend):
         self._prebound_lock = threading.Lock()
         self._script = resources.files("sandbox.client").joinpath("cellgate_runner.py").read_bytes()
         self._code = runner_code(self._script)
+        self._native = native_runner() if native else None
+        if native and self._native is None:
+            logger.info(
+                "resident runners start a Python each: build the native one with "
+                "scripts/build-runner.sh (a C compiler), then restart"
+            )
 
     async def ready(self, handle: SandboxHandle, bridge_dir: Path, spec: SandboxSpec) -> None:
         """A turn's verified sandbox: its runner socket listens, and a runner is on its way."""
@@ -92,11 +105,12 @@ class ResidentBackend(SandboxBackend):
             await self.close_bridge(bridge_dir)  # that conversation's previous sandbox's
             while len(self._runners) >= self.max_runners:
                 await self._close(next(iter(self._runners)))
+            argv = None
             try:
                 rs = self._take_prebound(cid, bridge_dir)
                 if rs is None:
                     if cid not in self._starters:  # a pooled one's comes from its slot (F1)
-                        await asyncio.to_thread(self.install, bridge_dir)
+                        argv = await asyncio.to_thread(self.install, bridge_dir)
                     rs = RunnerSocket(bridge_dir, cid, self.inner._output_cap)
                 await rs.listen()
             except (OSError, CellgateError) as exc:
@@ -104,6 +118,8 @@ class ResidentBackend(SandboxBackend):
                 return
             self._runners[cid] = rs
             self._users[cid] = spec.user
+            if argv is not None:
+                self._argv[cid] = argv
         self._runners.move_to_end(cid)
         starter = self._starters.pop(cid, None)
         if not rs.ready and starter is not None and starter():
@@ -158,21 +174,34 @@ class ResidentBackend(SandboxBackend):
             return None
         return rs
 
-    def runner_files(self) -> dict[str, bytes]:
-        """The runner's script and its code: what a slot holds for its pooled sandbox."""
-        return {RUNNER_NAME: self._script, RUNNER_CODE_NAME: self._code}
+    def runner_files(self) -> dict[str, tuple[bytes, int]]:
+        """What a slot holds for its pooled sandbox to start its runner from, with modes:
+        the native runner, else the Python runner's script and its code."""
+        if self._native is not None:
+            return {NATIVE_NAME: (self._native, 0o555)}
+        return {RUNNER_NAME: (self._script, 0o755), RUNNER_CODE_NAME: (self._code, 0o644)}
 
-    def install(self, bridge_dir: Path) -> None:
-        """Put the runner's script into the conversation's bridge directory (read-only inside)."""
+    def install(self, bridge_dir: Path) -> list[str]:
+        """Put the runner into the conversation's bridge directory (read-only inside);
+        returns the command that starts it there. The Python one where the directory's
+        filesystem is mounted noexec."""
         with SafeDir.open(bridge_dir) as d:
+            if self._native is not None and not os.statvfs(bridge_dir).f_flag & os.ST_NOEXEC:
+                d.write_atomic(NATIVE_NAME, self._native, mode=0o555, durable=False)
+                return list(NATIVE_ARGV)
             d.write_atomic(RUNNER_NAME, self._script, mode=0o755, durable=False)
             d.write_atomic(RUNNER_CODE_NAME, self._code, mode=0o644, durable=False)
+            return list(RUNNER_ARGV)
 
     async def _launch(self, handle: SandboxHandle, user: str, bridge_dir: Path) -> None:
+        cid = handle.container_id
         try:
-            if self._pooled.pop(handle.container_id):  # its first runner came from its slot
-                await asyncio.to_thread(self.install, bridge_dir)
-            await self.ops.launch(handle, user, list(RUNNER_ARGV))
+            argv = self._argv.get(cid)
+            if self._pooled.pop(cid) or argv is None:  # its first runner came from its slot
+                argv = await asyncio.to_thread(self.install, bridge_dir)
+                if cid in self._runners:  # bounded with them (closed meanwhile: not kept)
+                    self._argv[cid] = argv
+            await self.ops.launch(handle, user, argv)
         except CellgateError as exc:
             logger.info("could not start the runner in %s: %s", handle.name, exc)
 
@@ -190,6 +219,7 @@ class ResidentBackend(SandboxBackend):
     async def _close(self, cid: str) -> None:
         rs = self._runners.pop(cid, None)
         self._users.pop(cid, None)
+        self._argv.pop(cid, None)
         self._launches.pop(cid, None)
         self._starters.pop(cid, None)
         self._triggered.discard(cid)

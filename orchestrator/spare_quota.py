@@ -8,9 +8,10 @@ is made under a pending name and only named `spare-*` once it is mounted, so
 a spare image is always a mounted one (until a reboot: then the next refill
 mounts it again). A conversation without an image yet takes a spare, under
 the agent's spares lock (two claims never share one): the image is renamed
-into place (the loop device follows the rename), its mount bound onto the
-conversation's `<digest>.mnt` and the spare mount detached, all system calls
-of a few microseconds; then `LoopQuota.ensure` finds the image mounted and
+into place (the loop device follows the rename); then, under the conversation's
+lock alone, its mount is bound onto the conversation's `<digest>.mnt` and the
+spare mount detached (a few milliseconds each in a burst, so never under the
+agent's lock); then `LoopQuota.ensure` finds the image mounted and
 binds its subdirs as ever (R2 unchanged: the image is one the quota code
 made, with this app's limits). `refill` makes spares up to `count`, in a
 worker thread.
@@ -95,10 +96,16 @@ class SparedQuota(LoopQuota):
     ) -> None:
         agent_dir = self.agent_dir(agent, digest)
         if not self.image(agent, digest).exists():
-            # the conversation's own lock (as LoopQuota's), then the spares': no image of
-            # its own can appear while a spare is renamed into place
-            with locked(agent_dir / f"{digest}.lock"), locked(agent_dir / LOCK):
-                self._take_spare(agent, digest)
+            # the conversation's own lock (as LoopQuota's), then the spares' while one is
+            # renamed into place: no image of its own can appear meanwhile, and no other
+            # claim, refill or release sees that spare again. Its mount moves under the
+            # conversation's lock alone (a bind and a detach: the kernel's mount work,
+            # milliseconds under a burst, is not serialized across the agent's claims, F3).
+            with locked(agent_dir / f"{digest}.lock"):
+                with locked(agent_dir / LOCK):
+                    taken = self._take_spare(agent, digest)
+                if taken is not None:
+                    self._move_mount(taken, self.mount_dir(agent, digest))
         super().ensure(agent, digest, targets, owner)
 
     def spares(self, agent: str) -> int:
@@ -138,11 +145,12 @@ class SparedQuota(LoopQuota):
         with self._known_lock:
             self._known.setdefault(agent, deque()).append(name)
 
-    def _take_spare(self, agent: str, digest: str) -> bool:
-        """Give the conversation a spare image, mounted where its own goes (under the lock)."""
-        image, mnt = self.image(agent, digest), self.mount_dir(agent, digest)
+    def _take_spare(self, agent: str, digest: str) -> Path | None:
+        """Rename a spare image into the conversation's place (under the spares' lock);
+        returns the spare's mount dir to move when it was mounted, else None."""
+        image = self.image(agent, digest)
         if image.exists():
-            return False
+            return None
         d = self.root / agent
         for name in self._candidates(agent):
             spare = d / name
@@ -153,18 +161,23 @@ class SparedQuota(LoopQuota):
                 os.rename(spare, image)  # the loop device's backing file follows
             except FileNotFoundError:
                 continue
-            if premounted:
-                try:
-                    with contextlib.suppress(FileExistsError):
-                        os.mkdir(mnt, 0o700)
-                    mount(str(_mnt(spare)), str(mnt), MS_BIND)  # keeps the spare's flags
-                except (MountError, OSError) as exc:
-                    logger.warning("quota (R2): could not move a spare's mount: %s", exc)
-                detach(str(_mnt(spare)))
-                with contextlib.suppress(OSError):
-                    os.rmdir(_mnt(spare))
-            return True
-        return False
+            return _mnt(spare) if premounted else None
+        return None
+
+    @staticmethod
+    def _move_mount(spare_mnt: Path, mnt: Path) -> None:
+        """The taken spare's mount onto the conversation's mount dir, then detached from
+        the spare's own (no spare lists it any more: its image has the conversation's
+        name). On failure `LoopQuota.ensure` mounts the image itself."""
+        try:
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(mnt, 0o700)
+            mount(str(spare_mnt), str(mnt), MS_BIND)  # keeps the spare's flags
+        except (MountError, OSError) as exc:
+            logger.warning("quota (R2): could not move a spare's mount: %s", exc)
+        detach(str(spare_mnt))
+        with contextlib.suppress(OSError):
+            os.rmdir(spare_mnt)
 
     def _fits(self, spare: Path, mounted: bool | None = None) -> bool:
         """Was the spare made for the limits in force now? Its size says the bytes; once

@@ -186,14 +186,14 @@ class LateBinder:
     def __init__(
         self,
         root: Path,
-        bridge_files: Mapping[str, bytes] | None = None,
+        bridge_files: Mapping[str, tuple[bytes, int]] | None = None,
         find_init: Callable[[], Path | None] | None = None,
     ) -> None:
         self.root = root
         self.slots = root / "slots"
         self.stage = root / "stage"
-        # written into every slot's bridge dir (the runner a pooled sandbox opens before
-        # its claim, F2), removed with the slot
+        # written into every slot's bridge dir with their modes (the runner a pooled
+        # sandbox opens before its claim, F2), removed with the slot
         self.bridge_files = dict(bridge_files or {})
         # where the init binary (tini) is, asked at setup (off the event loop); it is copied
         # into every slot's bridge dir. A copy of its own, not a link: a link count shared
@@ -241,8 +241,8 @@ class LateBinder:
             for d in slot.dirs().values():
                 d.mkdir(mode=0o755)
             os.mkfifo(slot.root / "bridge" / CLAIM_FIFO, 0o644)
-            for name, data in self.bridge_files.items():
-                _write_new(slot.root / "bridge" / name, data)
+            for name, (data, mode) in self.bridge_files.items():
+                _write_new(slot.root / "bridge" / name, data, mode)
             if self.own_init:
                 _write_new(slot.root / "bridge" / INIT_NAME, self._init_data, 0o555)
             root = str(slot.root)

@@ -21,6 +21,9 @@ if [ ! -f "$stamp" ] || [ "$repo/pyproject.toml" -nt "$stamp" ]; then
   touch "$stamp"
 fi
 CELLGATE_PY="$venv/bin/python"
+# the native resident runner, into the (editable) package; without a C compiler the
+# gateway runs its Python runner
+bash "$here/build-runner.sh"
 
 # The sample app's base: the one asked for, else the official Python image if
 # this engine has it, else a local Debian base built from apt's own mirror.

@@ -28,6 +28,7 @@ if [ "$(. /etc/os-release && echo "${ID:-}")" = debian ]; then
 fi
 touch "$out/apt/.keep"
 
+bash "$here/build-runner.sh"  # the native runner goes into the wheel with the package
 py="${CELLGATE_PY:-$repo/.venv/bin/python}"
 [ -x "$py" ] || py=python3
 log "building the wheelhouse in $out/wheels with $("$py" -V 2>&1)"

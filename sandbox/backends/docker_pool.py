@@ -33,6 +33,7 @@ from sandbox.mountplan import BRIDGE, MountPlan
 from sandbox.pool import read_view, view_violations
 from sandbox.runner_client import (
     CODE_FD,
+    NATIVE_NAME,
     RUNNER_CODE_NAME,
     RUNNER_NAME,
     SOURCE_FD,
@@ -46,21 +47,30 @@ T = TypeVar("T")
 
 SUPPORTED_RUNTIMES = (None, "runc")
 RUNNER_ARGV = ("python3", "-I", "-S", "-c", runner_loader(str(BRIDGE)))
+NATIVE_ARGV = (f"{BRIDGE}/{NATIVE_NAME}",)
 POOL_RUNNER_ARGV = ("python3", "-I", "-S", "-c", runner_fd_loader())
+# the native runner from its descriptor, named (its command line is the descriptor's path)
+POOL_NATIVE_ARGV = (f"/proc/self/fd/{CODE_FD}", RUNNER_NAME)
 # A pooled sandbox's first process: it opens the runner its slot holds (none
-# when the resident runner is off: nothing then triggers it), waits (reading the
-# slot's claim FIFO, no CPU) until its claim is complete, runs the resident
-# runner from those descriptors (the claim's bind hides the slot's files), and
-# keeps the sandbox alive if the runner ends.
+# when the resident runner is off: nothing then triggers it), the native one or the
+# Python one's code and source, waits (reading the slot's claim FIFO, no CPU) until
+# its claim is complete, runs the resident runner from those descriptors (the claim's
+# bind hides the slot's files), and keeps the sandbox alive if the runner ends.
+_NATIVE = f"{BRIDGE}/{NATIVE_NAME}"
 _CODE, _SOURCE = f"{BRIDGE}/{RUNNER_CODE_NAME}", f"{BRIDGE}/{RUNNER_NAME}"
-_OPEN = f"r=; [ -r {_CODE} ] && exec {CODE_FD}< {_CODE} {SOURCE_FD}< {_SOURCE} && r=1; "
+_OPEN = (
+    f"r=; if [ -r {_NATIVE} ]; then exec {CODE_FD}< {_NATIVE} && r=n; "
+    f"elif [ -r {_CODE} ]; then exec {CODE_FD}< {_CODE} {SOURCE_FD}< {_SOURCE} && r=p; fi; "
+)
 _WAIT = f"read _ < {BRIDGE}/{CLAIM_FIFO}; "
 
 
 def _run(flag: str) -> str:
-    """The runner (when its slot held one: `flag` non-empty), then the keep-alive."""
+    """The runner its slot held (`flag`: n native, p Python, empty none), then the
+    keep-alive."""
     return (
-        f'[ -n "{flag}" ] && {shlex.join(POOL_RUNNER_ARGV)} 2>/dev/null; '
+        f'case "{flag}" in n) {shlex.join(POOL_NATIVE_ARGV)};; '
+        f"p) {shlex.join(POOL_RUNNER_ARGV)};; esac 2>/dev/null; "
         f"exec {CODE_FD}<&- {SOURCE_FD}<&- sleep infinity"
     )
 

@@ -16,17 +16,17 @@ process carrying the marker are killed.
 
 Frames both ways: a 4-byte big-endian length, a header, then raw bytes (the
 request's stdin; the reply's stdout then stderr). The request's header is a
-`marshal`led dict (it comes from the gateway); the reply's is JSON (the
-gateway parses what a sandbox sends with its bounded JSON reader). Only
-built-in modules are imported (`_socket`, `marshal`, `select`,
-`os`, `time`): the runner of a pooled sandbox starts at its claim, and its
-start-up is on the first turn's path.
+list of NUL-terminated fields (it comes from the gateway; see
+`runner_client.encode_request`, which the native runner, `cellgate_runner.c`,
+reads too); the reply's is JSON (the gateway parses what a sandbox sends with
+its bounded JSON reader). Only built-in modules are imported (`_socket`,
+`select`, `os`, `time`): the runner of a pooled sandbox starts at its claim,
+and its start-up is on the first turn's path.
 """
 
 from __future__ import annotations
 
 import _socket
-import marshal
 import os
 import select
 import sys
@@ -301,6 +301,31 @@ def reply_header(head: dict[str, Any]) -> bytes:
     return ("{" + ", ".join(parts) + "}").encode()
 
 
+def parse(body: bytes) -> dict[str, Any] | None:
+    """The request's fields (id, timeout, cap, marker, workdir, stdin length, argc,
+    argv..., envc, env...), each NUL-terminated; None when they are not that."""
+    parts = [p.decode("utf-8", "surrogateescape") for p in body.split(b"\0")]
+    if len(parts) < 9 or parts.pop() != "":
+        return None
+    argc = int(parts[6])
+    if not 0 <= argc <= len(parts) - 8 or int(parts[7 + argc]) != len(parts) - 8 - argc:
+        return None
+    env = {}
+    for entry in parts[8 + argc :]:
+        name, _, value = entry.partition("=")
+        env[name] = value
+    return {
+        "id": parts[0],
+        "timeout": float(parts[1]),
+        "cap": int(parts[2]),
+        "marker": parts[3],
+        "workdir": parts[4] or None,
+        "stdin_len": int(parts[5]) if parts[5] else None,
+        "argv": parts[7 : 7 + argc],
+        "env": env,
+    }
+
+
 def serve(sock: _socket.socket) -> None:
     while True:
         raw = read_exact(sock, HEADER_SIZE)
@@ -312,8 +337,8 @@ def serve(sock: _socket.socket) -> None:
         body = read_exact(sock, size)
         if body is None:
             return
-        req = marshal.loads(body)  # noqa: S302 - from the gateway, never from a sandbox
-        if not isinstance(req, dict):
+        req = parse(body)
+        if req is None:
             return
         stdin_len = req.get("stdin_len")
         stdin = None

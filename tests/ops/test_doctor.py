@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 
+import orchestrator.doctor as doctor_module
 from orchestrator.config import write_config_document
 from orchestrator.doctor import DOCTOR_LABEL
 from tests.e2e.conftest import install_test_app
@@ -61,6 +62,7 @@ def test_o4_good_setup_all_pass_human_and_json(good_config: Path, docker_client:
         assert checks[name]["status"] == "ok", checks[name]
     assert "Docker" in checks["engine"]["detail"]
     assert checks["quota (R2)"]["status"] == "ok"
+    assert checks["resident runner"]["status"] == "ok"  # F2: the native one, built by test.sh
     assert checks["channel tokens"]["status"] == "skip"  # no channel configured
     # the probe containers are gone
     assert docker_client.containers.list(all=True, filters={"label": DOCTOR_LABEL}) == []
@@ -235,3 +237,13 @@ def test_O4_a_bad_agent_entry_is_a_warning_as_serve_skips_it(tmp_path: Path) -> 
     check = by_name(doctor("--config", str(cfg), "--json").stdout)["config"]
     assert check["status"] == "warn", check
     assert "good-agent" in check["detail"] and "agents[1].isolateMemory" in check["detail"]
+
+
+def test_O4_F2_doctor_says_which_runner_and_how_to_build_the_native_one(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    facts = doctor_module._Facts(None)
+    assert doctor_module._runner(facts).status == "ok"
+    monkeypatch.setattr(doctor_module, "native_runner", lambda: None)
+    check = doctor_module._runner(facts)
+    assert check.status == "warn" and "scripts/build-runner.sh" in check.fix

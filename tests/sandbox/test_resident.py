@@ -15,6 +15,7 @@ import pytest
 from orchestrator.resident import ResidentBackend
 from sandbox.backends.base import SandboxHandle
 from sandbox.backends.docker import DockerBackend
+from sandbox.runner_client import NATIVE_NAME
 from tests.sandbox.conftest import Built
 
 pytestmark = pytest.mark.docker
@@ -39,11 +40,11 @@ FAKE_RUNNER = (
 
 # answers the request's own id with a header the gateway must refuse (argv[1] says how)
 HOSTILE_REPLY = (
-    "import json,marshal,socket,struct,sys,time\n"
+    "import json,socket,struct,sys,time\n"
     "s=socket.socket(socket.AF_UNIX); s.connect('/run/cellgate/runner.sock')\n"
     "def rx(n):\n b=b''\n while len(b)<n: b+=s.recv(n-len(b))\n return b\n"
-    "h=marshal.loads(rx(struct.unpack('>I',rx(4))[0]))\n"
-    "head={'id':h['id'],'out_len':0,'err_len':0,'code':0}\n"
+    "rid=rx(struct.unpack('>I',rx(4))[0]).split(b'\\0')[0].decode()\n"
+    "head={'id':rid,'out_len':0,'err_len':0,'code':0}\n"
     "m=sys.argv[1]\n"
     "if m=='inf': head['out_len']=float('inf')\n"
     "if m=='missing': del head['out_len']\n"
@@ -55,14 +56,18 @@ HOSTILE_REPLY = (
 )
 
 
-@pytest.fixture
+@pytest.fixture(params=["native", "python"])
 async def sandbox(
+    request: pytest.FixtureRequest,
     spec_factory: Callable[..., Built],
 ) -> AsyncIterator[tuple[DockerBackend, ResidentBackend, SandboxHandle, Built]]:
+    """A running sandbox and its resident runner: the native one, or the Python one."""
     inner = DockerBackend.from_env(output_cap=CAP)
     built = spec_factory()
     handle = await inner.ensure(built.spec)
-    residents = ResidentBackend(inner)
+    residents = ResidentBackend(inner, native=request.param == "native")
+    if request.param == "native":
+        assert residents.runner_files().keys() == {NATIVE_NAME}, "scripts/build-runner.sh"
     await residents.ready(handle, built.paths.bridge_dir, built.spec)
     assert await residents.wait_connected(handle, 20), "the runner never connected"
     try:
