@@ -52,6 +52,7 @@ COLD_MEMORY = 10_000
 REFILL_INTERVAL = 30.0
 REFILL_BATCH = 2
 REFILL_QUIET = 0.3  # seconds without a claim, and no claimed first turn running, before
+STOP_SECONDS = 30.0  # how long `stop` waits for a pool's loop (a refill in flight) to end
 REFILL_DEFER = 3.0  # the pool refills; but never put off longer than this
 
 Room = Callable[[], Awaitable[int]]
@@ -144,6 +145,9 @@ class WarmPool:
         self._skeleton: Skeleton = ()  # what the last claim's plan needed (F3: made ahead)
         self._last_claim = float("-inf")
         self._stop = threading.Event()  # ends a spare-quota refill in its worker thread
+        self.stopped = False  # `stop`: it makes nothing more (its agent is being uninstalled)
+        self._running = False
+        self.ended = asyncio.Event()  # its background loop drained and ended
         self.refusal = late_bind_refusal(sandboxes.settings.runtime)
         if settings.size == 0:
             self.refusal = "the pool is off (pool.size is 0)"
@@ -152,6 +156,8 @@ class WarmPool:
 
     async def claim(self, spec: SandboxSpec) -> SandboxHandle | None:
         """The verified pooled sandbox of `spec`'s conversation, or None: start cold."""
+        if self.stopped:
+            return None
         if self.refusal is not None:
             self._say_once("refused", "warm pool of %s off: %s", self.refusal)
             return None
@@ -278,7 +284,7 @@ class WarmPool:
 
     async def fill(self) -> int:
         """Bring the pool up to `size` ready (within `max` and the gateway's cap); how many made."""
-        if self.refusal is not None:
+        if self.refusal is not None or self.stopped:
             return 0
         if self._template is None:
             self._template = await template_spec(self.sandboxes)
@@ -307,8 +313,8 @@ class WarmPool:
         Cancelled (shutdown, restart), it tells the worker thread to stop and waits for
         the spare it is making: nothing is mounted under the state dir after `close`."""
         quota = self.sandboxes.quota
-        if not isinstance(quota, SparedQuota) or not self.current():
-            return  # an agent gone or restarted makes no spares
+        if not isinstance(quota, SparedQuota) or not self.current() or self.stopped:
+            return  # an agent gone, restarted or being uninstalled makes no spares
         agent, size = self.sandboxes.app.agent, self.settings.size
         job = asyncio.ensure_future(asyncio.to_thread(quota.refill, agent, size, self._stop))
         try:
@@ -408,10 +414,25 @@ class WarmPool:
                 return conv
         return None
 
+    async def stop(self) -> None:
+        """Make nothing more (no sandbox, no spare quota image: a refill in its worker
+        thread ends before its next spare) and drain; returns once the background loop has
+        ended (bounded), so that an uninstall removes and deletes with no refill under it."""
+        self.stopped = True
+        self._stop.set()
+        self.wake.set()
+        if not self._running:
+            await self.drain()
+            return
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(STOP_SECONDS):
+                await self.ended.wait()
+
     async def run_forever(self, interval: float = REFILL_INTERVAL) -> None:
         """Refill after every claim (and every `interval`); drain when cancelled."""
+        self._running = True
         try:
-            while self.current():  # a restarted agent's old pool drains and stops
+            while self.current() and not self.stopped:  # a restarted agent's old pool ends
                 self.wake.clear()
                 await self._quiet()
                 try:
@@ -427,6 +448,7 @@ class WarmPool:
             await asyncio.shield(self.drain())
             if not self.current() and not self.followed():
                 await asyncio.shield(self._end())
+            self.ended.set()
 
     async def _end(self) -> None:
         """The agent is gone or no longer pooled (uninstalled, stopped, made host-only):
@@ -450,7 +472,7 @@ class WarmPool:
         of waiting."""
         loop = asyncio.get_running_loop()
         until = loop.time() + REFILL_DEFER
-        while loop.time() < until:
+        while loop.time() < until and not self.stopped:
             calm = self._last_claim + REFILL_QUIET - loop.time()
             if calm <= 0 and not self._claiming and not self._unsettled:
                 return
@@ -510,8 +532,9 @@ class WarmPools:
 
         # one slot root per agent: a pool's sweep releases slots it does not hold, so
         # two pools must never see each other's
-        runner = self._residents.runner_files() if self._residents is not None else None
-        binder = LateBinder(self._root / sb.app.agent, runner, engine_init)
+        root = self._root / sb.app.agent
+        runner = self._residents.runner_files(root) if self._residents is not None else None
+        binder = LateBinder(root, runner, engine_init)
         pool = WarmPool(
             sb,
             self._settings,
@@ -527,6 +550,11 @@ class WarmPools:
         sb.pool = pool
         self.pools.append(pool)
         return pool
+
+    async def stop(self, agent_id: str) -> None:
+        """An agent being uninstalled: its pools make nothing more, drain and end."""
+        for p in [p for p in self.pools if p.sandboxes.app.agent == agent_id]:
+            await p.stop()
 
     def restarted(self, agent_id: str) -> None:
         """L5: the agent was restarted (or dropped): its old pool drains now, not at its

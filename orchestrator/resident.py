@@ -63,6 +63,17 @@ TRIGGERED_WAIT = 3.0  # a burst of claims starts many runners at once on few cor
 RUNNER_RUNTIMES = (None, "runc")
 
 
+def noexec(path: Path) -> bool:
+    """Is `path` (or, before it exists, its nearest existing parent) on a filesystem
+    mounted noexec? A runner there cannot be executed."""
+    for p in (path, *path.parents):
+        try:
+            return bool(os.statvfs(p).f_flag & os.ST_NOEXEC)
+        except FileNotFoundError:
+            continue
+    return False
+
+
 class ResidentBackend(SandboxBackend):
     def __init__(
         self, inner: DockerBackend, *, max_runners: int = MAX_RUNNERS, native: bool = True
@@ -72,6 +83,7 @@ class ResidentBackend(SandboxBackend):
         self.ops = DockerPoolOps(inner)
         self.max_runners = max_runners
         self._runners: OrderedDict[str, RunnerSocket] = OrderedDict()
+        self._by_bridge: dict[Path, str] = {}  # bridge dir -> the container its runner serves
         self._users: dict[str, str] = {}
         self._argv: dict[str, list[str]] = {}  # how each sandbox's runner is started by exec
         self._launches: dict[str, int] = {}
@@ -117,6 +129,7 @@ class ResidentBackend(SandboxBackend):
                 logger.warning("no resident runner for %s: %s", handle.name, exc)
                 return
             self._runners[cid] = rs
+            self._by_bridge[bridge_dir] = cid
             self._users[cid] = spec.user
             if argv is not None:
                 self._argv[cid] = argv
@@ -132,10 +145,11 @@ class ResidentBackend(SandboxBackend):
             task.add_done_callback(self._tasks.discard)
 
     async def close_bridge(self, bridge_dir: Path) -> None:
-        """Close the runner socket an earlier sandbox of this bridge dir listens on."""
-        for other, r in list(self._runners.items()):
-            if r.bridge_dir == bridge_dir:
-                await self._close(other)
+        """Close the runner socket an earlier sandbox of this bridge dir listens on (one
+        lookup: a new conversation's first turn does not walk every live runner, F3)."""
+        other = self._by_bridge.get(bridge_dir)
+        if other is not None:
+            await self._close(other)
 
     def add_starter(self, container_id: str, start: Callable[[], bool]) -> None:
         """How a claimed pooled sandbox's runner is started (its claim FIFO), instead of exec."""
@@ -174,19 +188,20 @@ class ResidentBackend(SandboxBackend):
             return None
         return rs
 
-    def runner_files(self) -> dict[str, tuple[bytes, int]]:
-        """What a slot holds for its pooled sandbox to start its runner from, with modes:
-        the native runner, else the Python runner's script and its code."""
-        if self._native is not None:
+    def runner_files(self, root: Path | None = None) -> dict[str, tuple[bytes, int]]:
+        """What a slot under `root` holds for its pooled sandbox to start its runner from,
+        with modes: the native runner, else (or on a noexec filesystem) the Python
+        runner's script and its code."""
+        if self._native is not None and (root is None or not noexec(root)):
             return {NATIVE_NAME: (self._native, 0o555)}
         return {RUNNER_NAME: (self._script, 0o755), RUNNER_CODE_NAME: (self._code, 0o644)}
 
-    def install(self, bridge_dir: Path) -> list[str]:
+    def install(self, bridge_dir: Path, native: bool = True) -> list[str]:
         """Put the runner into the conversation's bridge directory (read-only inside);
-        returns the command that starts it there. The Python one where the directory's
-        filesystem is mounted noexec."""
+        returns the command that starts it there. The Python one when not `native`, or
+        where the directory's filesystem is mounted noexec."""
         with SafeDir.open(bridge_dir) as d:
-            if self._native is not None and not os.statvfs(bridge_dir).f_flag & os.ST_NOEXEC:
+            if native and self._native is not None and not noexec(bridge_dir):
                 d.write_atomic(NATIVE_NAME, self._native, mode=0o555, durable=False)
                 return list(NATIVE_ARGV)
             d.write_atomic(RUNNER_NAME, self._script, mode=0o755, durable=False)
@@ -195,10 +210,14 @@ class ResidentBackend(SandboxBackend):
 
     async def _launch(self, handle: SandboxHandle, user: str, bridge_dir: Path) -> None:
         cid = handle.container_id
+        # a sandbox's first launch starts the native runner; a later one (it did not come,
+        # or the sandbox ended it: it may not run here) the Python one
+        native = self._launches.get(cid, 0) <= 1
         try:
             argv = self._argv.get(cid)
-            if self._pooled.pop(cid) or argv is None:  # its first runner came from its slot
-                argv = await asyncio.to_thread(self.install, bridge_dir)
+            pooled = self._pooled.pop(cid)  # its first runner came from its slot
+            if pooled or argv is None or (not native and argv == list(NATIVE_ARGV)):
+                argv = await asyncio.to_thread(self.install, bridge_dir, native)
                 if cid in self._runners:  # bounded with them (closed meanwhile: not kept)
                     self._argv[cid] = argv
             await self.ops.launch(handle, user, argv)
@@ -218,6 +237,8 @@ class ResidentBackend(SandboxBackend):
 
     async def _close(self, cid: str) -> None:
         rs = self._runners.pop(cid, None)
+        if rs is not None and self._by_bridge.get(rs.bridge_dir) == cid:
+            del self._by_bridge[rs.bridge_dir]
         self._users.pop(cid, None)
         self._argv.pop(cid, None)
         self._launches.pop(cid, None)

@@ -183,6 +183,23 @@ class TurnRunner:
         text: str,
         sandbox: list[str],
     ) -> TurnResult:
+        """`_execute`; then, however it ended (a claim whose turn failed before its harness
+        ran too), the pool is told that the conversation's turn left its sandbox (F3: a
+        claim never settled would hold off every refill for the longest wait)."""
+        try:
+            return await self._execute(rt, conv, session_id, text, sandbox)
+        finally:
+            if isinstance(rt.sandboxes, ConversationSandboxes) and rt.sandboxes.pool is not None:
+                rt.sandboxes.pool.settled(conv.id)
+
+    async def _execute(
+        self,
+        rt: AgentRuntime,
+        conv: Conversation,
+        session_id: SessionId,
+        text: str,
+        sandbox: list[str],
+    ) -> TurnResult:
         """One harness turn in the conversation's verified sandbox, with its bridge open.
 
         The sandbox is the conversation's own (isolated app agent), the app's
@@ -240,8 +257,6 @@ class TurnRunner:
             raise TurnTimeout(timeout) from exc
         finally:
             self.observe("harness", conv.agent, time.perf_counter() - started)
-            if isinstance(rt.sandboxes, ConversationSandboxes) and rt.sandboxes.pool is not None:
-                rt.sandboxes.pool.settled(conv.id)
         sent = self.outbox.pending.take(conv.id)
         if sent:
             result = dataclasses.replace(

@@ -49,6 +49,11 @@ RUNNER_CODE_NAME = f"{RUNNER_NAME}.{sys.implementation.cache_tag}"
 # Python one.
 NATIVE_NAME = f"{RUNNER_NAME}.bin"
 MAX_NATIVE_SIZE = 16 << 20
+# What both runners accept (a request past them would end the runner: exec runs it)
+MAX_REQUEST_HEADER = 1024 * 1024
+MAX_REQUEST_STDIN = 64 * 1024 * 1024
+MAX_REQUEST_FIELDS = 65535
+MAX_REQUEST_TIMEOUT = 1e9
 HEADER = struct.Struct(">I")
 MAX_REPLY_HEADER = 4096
 LISTEN_BACKLOG = 128  # as `UnixListener`'s
@@ -240,9 +245,13 @@ def encode_request(
     `marshal`): NUL-terminated fields, namely id, timeout (seconds), output cap, exec
     marker (`NAME=VALUE`), working directory (empty: the runner's), stdin length
     (empty: no stdin), argc, the argv, the number of environment entries, the entries
-    (`NAME=VALUE`). None when a field cannot be carried (a NUL in it, an empty or `=` in
-    a variable's name): no process could get it either."""
+    (`NAME=VALUE`). Strings are UTF-8, with `surrogateescape` for the bytes that are not
+    (as the sandbox's file names and environment are). None when the request cannot be
+    carried (a NUL in a field, an empty or `=` in a variable's name, a lone surrogate,
+    past either runner's limits): no process could get it, or exec says what is wrong."""
     if any(not k or "=" in k for k in env):
+        return None
+    if not 0 <= timeout <= MAX_REQUEST_TIMEOUT or len(stdin or b"") > MAX_REQUEST_STDIN:
         return None
     fields = [
         rid,
@@ -256,10 +265,16 @@ def encode_request(
         str(len(env)),
         *(f"{k}={v}" for k, v in env.items()),
     ]
-    encoded = [os.fsencode(f) for f in fields]
-    if any(b"\0" in f for f in encoded):
+    if len(fields) > MAX_REQUEST_FIELDS:
         return None
-    return b"".join(f + b"\0" for f in encoded)
+    try:
+        encoded = [f.encode("utf-8", "surrogateescape") for f in fields]
+    except UnicodeEncodeError:  # a lone surrogate (JSON can carry one): no byte string
+        return None
+    data = b"".join(f + b"\0" for f in encoded)
+    if any(b"\0" in f for f in encoded) or len(data) > MAX_REQUEST_HEADER:
+        return None
+    return data
 
 
 def _count(value: object, cap: int) -> TypeGuard[int]:
@@ -307,17 +322,41 @@ def runner_fd_loader() -> str:
 
 
 def native_runner() -> bytes | None:
-    """The built native runner's bytes (a static ELF executable), or None when it was not
-    built (or is not one): the Python runner serves then."""
+    """The built native runner's bytes, or None when it was not built, or is not an ELF
+    executable for this machine (class, byte order and machine as this Python's own,
+    `/proc/self/exe`: the sandboxes run on this host's kernel): the Python runner then."""
     try:
         with resources.files("sandbox.client").joinpath(NATIVE_NAME).open("rb") as f:
             data = f.read(MAX_NATIVE_SIZE + 1)
     except OSError:
         return None
-    if len(data) > MAX_NATIVE_SIZE or not data.startswith(b"\x7fELF"):
-        logger.warning("%s is not a runner built by scripts/build-runner.sh: ignored", NATIVE_NAME)
+    try:
+        with open("/proc/self/exe", "rb") as f:
+            own = f.read(ELF_IDENT)
+    except OSError:
+        own = b""
+    if len(data) > MAX_NATIVE_SIZE or not _same_machine(data, own):
+        logger.warning(
+            "%s is not a runner for this machine: ignored (rebuild it with "
+            "scripts/build-runner.sh)",
+            NATIVE_NAME,
+        )
         return None
     return data
+
+
+ELF_IDENT = 20  # e_ident (16 bytes), e_type (2), e_machine (2)
+
+
+def _same_machine(data: bytes, own: bytes) -> bool:
+    """ELF files of one class (32/64-bit), byte order and machine; `data` an executable."""
+    if len(data) < ELF_IDENT or len(own) < ELF_IDENT:
+        return False
+    if not (data.startswith(b"\x7fELF") and own.startswith(b"\x7fELF")):
+        return False
+    e_type = int.from_bytes(data[16:18], "little" if data[5] == 1 else "big")
+    executable = e_type in (2, 3)  # ET_EXEC, or ET_DYN (static-pie)
+    return executable and data[4:6] == own[4:6] and data[18:20] == own[18:20]
 
 
 def runner_code(source: bytes) -> bytes:

@@ -218,7 +218,9 @@ async def stop(name: AppName, who: CallerKey, ctx: Ctx) -> dict[str, Any]:
 
 
 async def _retire(ctx: ApiContext, app: InstalledApp) -> None:
-    """Take no new turns; wait (bounded) until none is busy; remove the sandboxes."""
+    """Take no new turns; wait (bounded) until none is busy; stop its warm pool (no refill
+    may make a sandbox or mount a spare quota image under the uninstall); remove the
+    sandboxes."""
     rt = ctx.gateway.agents.get(app.agent)
     if rt is None:
         return
@@ -229,6 +231,7 @@ async def _retire(ctx: ApiContext, app: InstalledApp) -> None:
         if loop.time() > deadline:
             raise ApiError(409, "busy", f"agent {app.agent} stayed busy; try again")
         await asyncio.sleep(0.2)
+    await ctx.gateway.pools.stop(app.agent)
     await ctx.gateway.sandboxes.remove_app(app.name, app.agent)
 
 

@@ -503,6 +503,29 @@ static void run(struct request *req, const char *stdin_data, struct result *res)
             keep(fd == r_out ? &res->out : &res->err, chunk, (size_t)r);
         }
     }
+    while (code < 0 && !deadline_hit) { /* its output closed, it runs on: the clock too */
+        double t = now();
+        if (t >= deadline) {
+            deadline_hit = 1;
+            break;
+        }
+        if (t >= kill_at) {
+            if (signalled != SIGKILL) {
+                signal_group(pid, SIGKILL);
+                signalled = SIGKILL;
+            }
+        } else if (t >= term_at && !signalled) {
+            signal_group(pid, SIGTERM);
+            signal_group(pid, SIGCONT);
+            signalled = SIGTERM;
+        }
+        double wake = (signalled == SIGKILL ? deadline : signalled ? kill_at : term_at) - t;
+        code = wait_exit(pid, wake > 0.001 ? wake : 0.001, pidfd);
+        if (code == -2) { /* not our child any more: nothing to wait for */
+            code = -1;
+            break;
+        }
+    }
     if (deadline_hit) {
         kill(-pid, SIGKILL);
         kill_marked(req->marker);
@@ -595,6 +618,14 @@ static int serve(int sock) {
 }
 
 int main(int argc, char **argv) {
+    /* descriptors 0-2 open (to /dev/null when the runner got them closed): a pipe made
+     * later must never be one of them */
+    int null;
+    do
+        null = open("/dev/null", O_RDWR);
+    while (null >= 0 && null <= 2);
+    if (null > 2)
+        close(null);
     /* what the waiting shell opened (this very binary, the slot's init) is not the
      * commands' to inherit */
     if (syscall(SYS_close_range, 3, ~0U, 0) < 0)
@@ -620,7 +651,8 @@ int main(int argc, char **argv) {
     double deadline = now() + CONNECT_WAIT;
     while (connect(sock, (struct sockaddr *)&addr, sizeof addr) < 0) {
         /* not yet bound, not yet listening, or bound but not yet opened to us */
-        if (errno != ENOENT && errno != ECONNREFUSED && errno != EACCES && errno != EINTR)
+        if (errno != ENOENT && errno != ECONNREFUSED && errno != EACCES && errno != EPERM &&
+            errno != EINTR)
             return 1;
         if (now() > deadline)
             return 1;

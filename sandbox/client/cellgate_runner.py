@@ -118,7 +118,7 @@ def spawn(
             setsid=True,
             setsigdef=(SIGPIPE, SIGXFSZ),  # Python ignores them; a command expects neither
         )
-    except OSError:
+    except BaseException:  # OSError, or ValueError (an empty program name): nothing ran
         for fd in (r_out, r_err, w_in):
             if fd >= 0:
                 os.close(fd)
@@ -261,6 +261,21 @@ def run(req: dict[str, Any], stdin: bytes | None) -> tuple[dict[str, Any], bytes
             room = cap - len(buf)
             if room > 0:
                 buf += chunk[:room]
+    while code is None and not deadline_hit:  # its output closed, it runs on: the clock too
+        now = time.monotonic()
+        if now >= deadline:
+            deadline_hit = True
+            break
+        if now >= kill_at:
+            if signalled != SIGKILL:
+                signal_group(pid, SIGKILL)
+                signalled = SIGKILL
+        elif now >= term_at and not signalled:
+            signal_group(pid, SIGTERM)
+            signal_group(pid, SIGCONT)
+            signalled = SIGTERM
+        wake = (deadline if signalled == SIGKILL else kill_at if signalled else term_at) - now
+        code = wait_exit(pid, max(wake, 0.001), pidfd)
     if deadline_hit:
         try:  # noqa: SIM105 - no contextlib: every import is start-up time
             os.killpg(pid, SIGKILL)
@@ -357,6 +372,10 @@ def serve(sock: _socket.socket) -> None:
 def main() -> int:
     # SIGPIPE stays ignored (Python's default): a command that leaves its stdin unread,
     # or a gateway gone, is an EPIPE here, never the end of the runner
+    null = os.open(os.devnull, os.O_RDWR)  # 0-2 open: a pipe made later is never one of them
+    while null <= 2:
+        null = os.open(os.devnull, os.O_RDWR)
+    os.close(null)
     sock = _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM)
     deadline = time.monotonic() + CONNECT_WAIT
     while True:  # a pooled sandbox's runner starts while its claim is still being checked

@@ -4,19 +4,23 @@ that kills or replaces its runner only hurts itself (the gateway falls back to e
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import io
 import os
 import socket
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import docker.errors
 import pytest
 
 from orchestrator.resident import ResidentBackend
 from sandbox.backends.base import SandboxHandle
 from sandbox.backends.docker import DockerBackend
 from sandbox.runner_client import NATIVE_NAME
-from tests.sandbox.conftest import Built
+from tests.sandbox.conftest import Built, build_spec
+from tests.support.run_id import RUN_ID
 
 pytestmark = pytest.mark.docker
 
@@ -220,3 +224,69 @@ async def test_F1_F2_socket_bound_at_claim_listens_before_the_turn_and_serves_it
         await residents.close()
         await inner.close()
     assert not _listening(path)
+
+
+NO_PYTHON = (
+    "FROM {base}\n"
+    "RUN find / -xdev \\( -name 'python3*' -o -name 'python' \\) \\( -type f -o -type l \\) "
+    "-path '*bin/*' -delete && ! command -v python3\n"
+)
+
+
+@pytest.fixture
+def image_without_python(docker_client: Any, base_image: str) -> Iterator[str]:
+    """The base image with no `python3` at all; its tag is this run's, removed after."""
+    tag = f"cellgate-test-nopython:{RUN_ID}"
+    dockerfile = io.BytesIO(NO_PYTHON.format(base=base_image).encode())
+    image, _ = docker_client.images.build(fileobj=dockerfile, tag=tag, rm=True, forcerm=True)
+    try:
+        yield str(image.id)
+    finally:
+        with contextlib.suppress(docker.errors.APIError):
+            docker_client.images.remove(tag, noprune=False)
+
+
+async def test_F2_native_runner_serves_an_image_without_python(
+    tmp_path: Path, app_name: str, image_without_python: str
+) -> None:
+    """The native runner needs nothing in the image: in one without `python3` (where the
+    Python runner cannot start and every turn was an exec) turns go through the runner."""
+    inner = DockerBackend.from_env(output_cap=CAP)
+    built = build_spec(tmp_path, app_name, image_without_python)
+    handle = await inner.ensure(built.spec)
+    residents = ResidentBackend(inner)
+    try:
+        await residents.ready(handle, built.paths.bridge_dir, built.spec)
+        assert await residents.wait_connected(handle, 20), "the native runner never connected"
+        ran = await _exec(residents, handle, "command -v python3 || echo no-python; " + ANCESTRY)
+        lines = ran.stdout.decode().splitlines()
+        assert ran.exit_code == 0 and lines[0] == "no-python", ran
+        assert lines[1].startswith(f"/run/cellgate/{NATIVE_NAME}")  # the runner ran it
+        assert lines[2:5] == ["65532", "65532", "/workspace"]
+    finally:
+        await residents.close()
+        await inner.close()
+
+
+async def test_F2_a_native_runner_that_cannot_run_here_gives_way_to_the_python_one(
+    spec_factory: Callable[..., Built],
+) -> None:
+    """A native runner the sandbox cannot execute (built for another machine, a broken
+    file) never connects: the sandbox's next launch starts the Python runner."""
+    inner = DockerBackend.from_env(output_cap=CAP)
+    built = spec_factory()
+    handle = await inner.ensure(built.spec)
+    residents = ResidentBackend(inner)
+    residents._native = b"\x7fELF" + bytes(60)  # an ELF header and nothing to run
+    try:
+        await residents.ready(handle, built.paths.bridge_dir, built.spec)
+        assert not await residents.wait_connected(handle, 3)
+        via_exec = await _exec(residents, handle, ANCESTRY)
+        assert via_exec.exit_code == 0 and "cellgate-runner" not in via_exec.stdout.decode()
+        await residents.ready(handle, built.paths.bridge_dir, built.spec)  # the next turn
+        assert await residents.wait_connected(handle, 20)
+        ran = await _exec(residents, handle, ANCESTRY)
+        assert ran.stdout.decode().startswith("python3 -I -S -c"), ran.stdout
+    finally:
+        await residents.close()
+        await inner.close()

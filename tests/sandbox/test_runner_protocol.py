@@ -32,14 +32,20 @@ def _argv(kind: str, sock: Path) -> list[str]:
     return [sys.executable, "-I", "-S", str(CLIENT.joinpath("cellgate_runner.py")), str(sock)]
 
 
-@pytest.fixture(params=["native", "python"])
+@pytest.fixture(params=["native", "python", "native-closed-fds", "python-closed-fds"])
 async def runner(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[RunnerSocket]:
+    """A runner of each kind connected to the gateway's socket; the `-closed-fds` ones are
+    started with their stdin, stdout and stderr closed."""
     bridge = tmp_path / "bridge"
     bridge.mkdir()
     rs = RunnerSocket(bridge, "probe-container", CAP)
     await rs.listen()
     env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "FROM_RUNNER": "kept", "X": "runner's"}
-    proc = subprocess.Popen(_argv(request.param, rs.path), env=env, cwd=tmp_path)  # noqa: ASYNC220
+    kind, _, closed = request.param.partition("-")
+    argv = _argv(kind, rs.path)
+    if closed:
+        argv = ["/bin/sh", "-c", 'exec "$@" <&- >&- 2>&-', "sh", *argv]
+    proc = subprocess.Popen(argv, env=env, cwd=tmp_path)  # noqa: ASYNC220
     try:
         await asyncio.wait_for(rs.connected.wait(), 10)
         yield rs
@@ -90,6 +96,10 @@ async def test_F2_runners_keep_timeouts_as_timeout_does(runner: RunnerSocket) ->
     assert r is not None and (r.exit_code, r.timed_out) == (137, True)
     r = await _run(runner, "sleep 30 >/dev/null 2>&1 & echo quick")  # a background child
     assert r == ExecResult(0, b"quick\n", b"")  # the command's own end is the turn's
+    r = await _run(runner, "echo $$; exec >&- 2>&-; sleep 30", timeout=1)  # output closed early
+    assert r is not None and (r.exit_code, r.timed_out) == (124, True)  # its clock ran on
+    with pytest.raises(ProcessLookupError):
+        os.kill(int(r.stdout), 0)  # ended (and reaped), not left running
 
 
 async def test_F2_runners_start_nothing_they_cannot_find(
@@ -117,3 +127,11 @@ def test_F2_request_fields_no_runner_could_carry_are_refused() -> None:
     assert encode_request("ab12", ["true"], {"A=B": "1"}, 1, None, 10, MARKER, None) is None
     assert encode_request("ab12", ["true"], {"": "1"}, 1, None, 10, MARKER, None) is None
     assert encode_request("ab12", ["true"], {"A": "\0"}, 1, None, 10, MARKER, None) is None
+    # a lone surrogate (a model's JSON can carry one) has no bytes: exec reports it
+    assert encode_request("ab12", ["echo", "\ud800"], {}, 1, None, 10, MARKER, None) is None
+    for timeout in (-1, 2e9, float("nan")):  # past what either runner takes
+        assert encode_request("ab12", ["true"], {}, timeout, None, 10, MARKER, None) is None
+    many = {f"V{i}": "" for i in range(70000)}
+    assert encode_request("ab12", ["true"], many, 1, None, 10, MARKER, None) is None
+    big = ["x" * (2 << 20)]
+    assert encode_request("ab12", big, {}, 1, None, 10, MARKER, None) is None
