@@ -22,7 +22,6 @@ import asyncio
 import builtins
 import contextlib
 import logging
-import os
 import secrets
 import threading
 from collections import OrderedDict
@@ -43,6 +42,7 @@ from sandbox.backends.base import (
 )
 from sandbox.backends.docker import EXEC_MARKER_ENV, DockerBackend
 from sandbox.backends.docker_pool import NATIVE_ARGV, RUNNER_ARGV, DockerPoolOps
+from sandbox.mounts import noexec
 from sandbox.runner_client import (
     NATIVE_NAME,
     RUNNER_CODE_NAME,
@@ -61,17 +61,6 @@ MAX_RUNNERS = 4096
 MAX_LAUNCHES = 3
 TRIGGERED_WAIT = 3.0  # a burst of claims starts many runners at once on few cores
 RUNNER_RUNTIMES = (None, "runc")
-
-
-def noexec(path: Path) -> bool:
-    """Is `path` (or, before it exists, its nearest existing parent) on a filesystem
-    mounted noexec? A runner there cannot be executed."""
-    for p in (path, *path.parents):
-        try:
-            return bool(os.statvfs(p).f_flag & os.ST_NOEXEC)
-        except FileNotFoundError:
-            continue
-    return False
 
 
 class ResidentBackend(SandboxBackend):

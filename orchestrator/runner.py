@@ -183,86 +183,76 @@ class TurnRunner:
         text: str,
         sandbox: list[str],
     ) -> TurnResult:
-        """`_execute`; then, however it ended (a claim whose turn failed before its harness
-        ran too), the pool is told that the conversation's turn left its sandbox (F3: a
-        claim never settled would hold off every refill for the longest wait)."""
-        try:
-            return await self._execute(rt, conv, session_id, text, sandbox)
-        finally:
-            if isinstance(rt.sandboxes, ConversationSandboxes) and rt.sandboxes.pool is not None:
-                rt.sandboxes.pool.settled(conv.id)
-
-    async def _execute(
-        self,
-        rt: AgentRuntime,
-        conv: Conversation,
-        session_id: SessionId,
-        text: str,
-        sandbox: list[str],
-    ) -> TurnResult:
         """One harness turn in the conversation's verified sandbox, with its bridge open.
 
         The sandbox is the conversation's own (isolated app agent), the app's
         one container (app agent without isolate mode, S6), or the host (host agent).
+        However it ends (a claim whose turn failed before its harness ran too), the pool
+        is then told that the turn left its sandbox (F3: a claim never settled would hold
+        off every refill for the longest wait).
         """
-        key = conversation_key(conv)
-        if rt.host is not None:
-            place = await asyncio.to_thread(rt.host.prepare, key, session_id)
-            sandbox.append(place.handle.name)
-        else:
-            place = await self.place_in_sandbox(rt, conv, key, session_id, sandbox)
-        paths = place.paths
-        scope = BridgeScope.for_conversation(
-            key,
-            session_id,
-            paths,
-            isolated=rt.started_isolated,
-            archive_enabled=not rt.config.disable_archive,
-        )
-        await self.bridge.open(scope)
-        await refresh_at_spawn(  # A1/A2: the archive, before the session is told of it
-            self.settings.state_dir,
-            conv.agent,
-            paths.workspace,
-            isolated=rt.started_isolated,
-            disabled=rt.config.disable_archive,
-        )
-        system_prompt, history, resume_id = await asyncio.to_thread(
-            self.session_files, rt, paths, conv.id, place.shown_workspace
-        )
-        request = TurnRequest(
-            prompt=text,
-            system_prompt=system_prompt,
-            history=HistoryEntry.parse_many(history),
-            resume_id=resume_id,
-            tools=self.bridge.handlers.definitions(scope),
-        )
-        ctx = SessionContext(
-            conversation=key,
-            session_key=session_id,
-            backend=place.backend or self.backend,
-            sandbox=place.handle,
-            env={**session_env(key, place.home), **place.env},
-            workdir=place.workdir,
-            shown_workspace=place.shown_workspace,
-            bridge_argv=place.bridge_argv,
-        )
-        timeout = self.settings.turn_timeout_seconds
-        started = time.perf_counter()
         try:
-            async with asyncio.timeout(timeout):
-                await rt.harness.ensure_session(ctx)
-                result = await rt.harness.dispatch(ctx, request)
-        except TimeoutError as exc:
-            raise TurnTimeout(timeout) from exc
-        finally:
-            self.observe("harness", conv.agent, time.perf_counter() - started)
-        sent = self.outbox.pending.take(conv.id)
-        if sent:
-            result = dataclasses.replace(
-                result, messages_sent=tuple(SentMessage.of(m) for m in sent)
+            key = conversation_key(conv)
+            if rt.host is not None:
+                place = await asyncio.to_thread(rt.host.prepare, key, session_id)
+                sandbox.append(place.handle.name)
+            else:
+                place = await self.place_in_sandbox(rt, conv, key, session_id, sandbox)
+            paths = place.paths
+            scope = BridgeScope.for_conversation(
+                key,
+                session_id,
+                paths,
+                isolated=rt.started_isolated,
+                archive_enabled=not rt.config.disable_archive,
             )
-        return result
+            await self.bridge.open(scope)
+            await refresh_at_spawn(  # A1/A2: the archive, before the session is told of it
+                self.settings.state_dir,
+                conv.agent,
+                paths.workspace,
+                isolated=rt.started_isolated,
+                disabled=rt.config.disable_archive,
+            )
+            system_prompt, history, resume_id = await asyncio.to_thread(
+                self.session_files, rt, paths, conv.id, place.shown_workspace
+            )
+            request = TurnRequest(
+                prompt=text,
+                system_prompt=system_prompt,
+                history=HistoryEntry.parse_many(history),
+                resume_id=resume_id,
+                tools=self.bridge.handlers.definitions(scope),
+            )
+            ctx = SessionContext(
+                conversation=key,
+                session_key=session_id,
+                backend=place.backend or self.backend,
+                sandbox=place.handle,
+                env={**session_env(key, place.home), **place.env},
+                workdir=place.workdir,
+                shown_workspace=place.shown_workspace,
+                bridge_argv=place.bridge_argv,
+            )
+            timeout = self.settings.turn_timeout_seconds
+            started = time.perf_counter()
+            try:
+                async with asyncio.timeout(timeout):
+                    await rt.harness.ensure_session(ctx)
+                    result = await rt.harness.dispatch(ctx, request)
+            except TimeoutError as exc:
+                raise TurnTimeout(timeout) from exc
+            finally:
+                self.observe("harness", conv.agent, time.perf_counter() - started)
+            sent = self.outbox.pending.take(conv.id)
+            if sent:
+                result = dataclasses.replace(
+                    result, messages_sent=tuple(SentMessage.of(m) for m in sent)
+                )
+            return result
+        finally:
+            if isinstance(rt.sandboxes, ConversationSandboxes) and rt.sandboxes.pool is not None:
+                rt.sandboxes.pool.settled(conv.id)
 
     def session_files(
         self,

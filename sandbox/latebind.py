@@ -62,6 +62,7 @@ from sandbox.mounts import (
     attach_copy,
     detach,
     mount,
+    noexec,
 )
 
 SLOT_TARGETS: tuple[tuple[str, PurePosixPath], ...] = (
@@ -221,7 +222,7 @@ class LateBinder:
         init = self.find_init() if self.find_init is not None else None
         if init is not None:
             try:
-                if os.statvfs(self.slots).f_flag & os.ST_NOEXEC:
+                if noexec(self.slots):
                     raise LateBindError(f"{self.slots} is on a noexec filesystem")
                 self._init_data = _read_init(init)
             except (OSError, LateBindError) as exc:

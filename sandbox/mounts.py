@@ -14,6 +14,7 @@ import ctypes
 import ctypes.util
 import errno
 import os
+from pathlib import Path
 
 from cellgate.errors import SandboxError
 
@@ -77,6 +78,17 @@ def remount_bind(target: str, flags: int) -> None:
     """Set exactly `flags` on the mount at `target` (a per-mount change, as `mount -o
     remount,bind` does)."""
     mount(None, target, MS_REMOUNT | MS_BIND | flags)
+
+
+def noexec(path: Path) -> bool:
+    """Is `path` (or, before it exists, its nearest existing parent) on a filesystem
+    mounted noexec? Nothing placed there (a runner, an init) can be executed."""
+    for p in (path, *path.parents):
+        try:
+            return bool(os.statvfs(p).f_flag & os.ST_NOEXEC)
+        except FileNotFoundError:
+            continue
+    return False
 
 
 def flags_of(path: str) -> int:
