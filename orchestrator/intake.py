@@ -8,7 +8,6 @@ before anyone is told it was accepted (D1); the turn loop picks it up there.
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import uuid
 from collections.abc import Sequence
@@ -16,6 +15,7 @@ from collections.abc import Sequence
 from cellgate.models import ConversationKey
 from orchestrator.admission import MessageGate
 from orchestrator.agents import Agents
+from orchestrator.lane import in_lane
 from orchestrator.store import Message, conversation_id
 from orchestrator.store.views import IntakeStore
 from orchestrator.turns import TurnLoop
@@ -48,11 +48,11 @@ class Intake:
         conv = conversation_id(key)
 
         async def pending() -> int:
-            return len(await asyncio.to_thread(self.store.pending_for_conversation, conv))
+            return len(await in_lane(self.store.pending_for_conversation, conv))
 
         # admitted first: a refused message (a flood of new chats) makes no conversation row
         await self.gate.admit(agent_id, channel, chat_id, sender, conv, pending)
-        msg, created = await asyncio.to_thread(
+        msg, created = await in_lane(
             functools.partial(
                 self.store.accept_new,
                 key,

@@ -41,8 +41,8 @@ from orchestrator.spare_quota import SparedQuota
 from sandbox.backends.base import SandboxHandle, SandboxNotFound
 from sandbox.backends.docker import DockerBackend
 from sandbox.backends.docker_pool import DockerPoolOps, engine_init, late_bind_refusal
-from sandbox.latebind import LateBinder, LateBindError, Skeleton, Slot, skeleton
-from sandbox.mountplan import BRIDGE, MountPlan
+from sandbox.latebind import LateBinder, LateBindError, Skeleton, Slot, bound_ahead, skeleton
+from sandbox.mountplan import BRIDGE, MountPlan, PlannedMount
 from sandbox.pool import POOL_NAME_INFIX, pool_key, pooled_spec
 from sandbox.spec import LABEL_APP, LABEL_GATEWAY, LABEL_MANAGED, SandboxSpec
 
@@ -143,6 +143,7 @@ class WarmPool:
         self._unsettled: set[str] = set()  # claimed, their first turn still running (F3)
         self._said: set[str] = set()
         self._skeleton: Skeleton = ()  # what the last claim's plan needed (F3: made ahead)
+        self._ahead: tuple[PlannedMount, ...] = ()  # its app's mounts (F3: bound ahead)
         self._last_claim = float("-inf")
         self._stop = threading.Event()  # ends a spare-quota refill in its worker thread
         self.stopped = False  # `stop`: it makes nothing more (its agent is being uninstalled)
@@ -221,7 +222,7 @@ class WarmPool:
             )
             self.claimed[spec.conversation] = Claimed(pooled, spec.plan)
             self._unsettled.add(spec.conversation)
-            self._skeleton = skeleton(spec.plan)
+            self._skeleton, self._ahead = skeleton(spec.plan), bound_ahead(spec.plan)
         except (CellgateError, OSError) as exc:
             logger.warning("pooled sandbox %s not claimed: %s", pooled.handle.name, exc)
             self.claimed.pop(spec.conversation, None)
@@ -328,7 +329,7 @@ class WarmPool:
             logger.warning("could not make spare quota images: %s", exc)
 
     async def _make(self, template: SandboxSpec) -> bool:
-        slot = await asyncio.to_thread(self.binder.new_slot, self._skeleton)
+        slot = await asyncio.to_thread(self.binder.new_slot, self._skeleton, self._ahead)
         self._creating.add(slot.id)
         trigger = -1
         create: asyncio.Future[SandboxHandle] | None = None

@@ -35,6 +35,7 @@ from orchestrator.harnesses.base import (
     TurnRequest,
     TurnResult,
 )
+from orchestrator.lane import in_lane
 from orchestrator.memory import compose_claude_md, write_session_files
 from orchestrator.metrics import Stage
 from orchestrator.placement import Placement
@@ -125,7 +126,7 @@ class TurnRunner:
 
     async def session_for(self, conv: Conversation, rt: AgentRuntime) -> SessionId:
         """The conversation's live session, or a new one."""
-        return await asyncio.to_thread(self._session, conv.id, rt.config.harness.type)
+        return await in_lane(self._session, conv.id, rt.config.harness.type)
 
     def _session(self, conversation: ConversationId, harness: str) -> SessionId:
         live = self.store.live_sessions(conversation=conversation)
@@ -141,7 +142,7 @@ class TurnRunner:
             session_id = self._session(conv.id, rt.config.harness.type)
             return session_id, self.store.start_turn(session_id, message.id)
 
-        session_id, turn = await asyncio.to_thread(begin)
+        session_id, turn = await in_lane(begin)
         ok = False
         harness_turn: str | None = None
         sandbox: list[str] = []
@@ -163,7 +164,7 @@ class TurnRunner:
                     self.store.finish_turn(turn.id, ok=ok, harness_turn_id=harness_turn)
 
             finished = True  # the job finishes the turn whatever happens to this task
-            await asyncio.to_thread(save_and_finish)
+            await in_lane(save_and_finish)
             self.outcomes.put(message.id, Outcome(sandbox[0], result, None))
             return TurnAnswer(result.ok, result.reply)
         except CellgateError as exc:
@@ -171,9 +172,7 @@ class TurnRunner:
             raise
         finally:
             if not finished:
-                await asyncio.to_thread(
-                    self.store.finish_turn, turn.id, ok=ok, harness_turn_id=harness_turn
-                )
+                await in_lane(self.store.finish_turn, turn.id, ok=ok, harness_turn_id=harness_turn)
 
     async def execute(
         self,
@@ -194,7 +193,7 @@ class TurnRunner:
         try:
             key = conversation_key(conv)
             if rt.host is not None:
-                place = await asyncio.to_thread(rt.host.prepare, key, session_id)
+                place = await in_lane(rt.host.prepare, key, session_id)
                 sandbox.append(place.handle.name)
             else:
                 place = await self.place_in_sandbox(rt, conv, key, session_id, sandbox)
@@ -214,7 +213,7 @@ class TurnRunner:
                 isolated=rt.started_isolated,
                 disabled=rt.config.disable_archive,
             )
-            system_prompt, history, resume_id = await asyncio.to_thread(
+            system_prompt, history, resume_id = await in_lane(
                 self.session_files, rt, paths, conv.id, place.shown_workspace
             )
             request = TurnRequest(
@@ -288,7 +287,7 @@ class TurnRunner:
             prepared = await rt.sandboxes.ensure(key, session_id)
             self.observe("sandbox_ensure", conv.agent, time.perf_counter() - started)
             sandbox.append(prepared.handle.name)
-            await asyncio.to_thread(
+            await in_lane(
                 self.store.record_sandbox,
                 prepared.handle.name,
                 conversation=conv.id,

@@ -22,6 +22,7 @@ from cellgate.models import ConversationKey
 from orchestrator.apps import InstalledApp
 from orchestrator.config import GatewaySettings
 from orchestrator.conversations import ConversationPaths, conversation_paths, ensure_conversation
+from orchestrator.lane import in_lane
 from orchestrator.placement import Placement
 from orchestrator.store.messages import conversation_id
 from policies.secrets import env_entry
@@ -192,7 +193,10 @@ class ConversationSandboxes:
                 gateway=self.gateway_id,
             )
 
-        return await asyncio.to_thread(prepare), paths
+        # on the turn lane unless it may have to format a new quota image (F3: a flood
+        # of new conversations with no spare never queues every turn behind mkfs)
+        quick = self.quota is None or self.quota.spare_ready(self.app.agent)
+        return await (in_lane(prepare) if quick else asyncio.to_thread(prepare)), paths
 
     async def ensure(self, key: ConversationKey, session_id: str) -> PreparedSandbox:
         if self.quota_refusal is not None:

@@ -108,6 +108,10 @@ class SparedQuota(LoopQuota):
                     self._move_mount(taken, self.mount_dir(agent, digest))
         super().ensure(agent, digest, targets, owner)
 
+    def spare_ready(self, agent: str) -> bool:
+        with self._known_lock:
+            return bool(self._known.get(agent))
+
     def spares(self, agent: str) -> int:
         """How many spares are ready for `agent`."""
         return len(self._spares(agent))

@@ -31,6 +31,7 @@ from cellgate.errors import (
     new_ref,
 )
 from orchestrator.bounded import LruMap
+from orchestrator.lane import in_lane
 from orchestrator.slots import FairSlots
 from orchestrator.store import (
     Conversation,
@@ -172,8 +173,8 @@ class TurnLoop:
 
     async def recover(self) -> int:
         """D2: finish what a crash interrupted; returns how many messages were pending."""
-        closed = await asyncio.to_thread(self.store.close_open_turns)
-        pending = await asyncio.to_thread(self.store.undelivered_messages)
+        closed = await in_lane(self.store.close_open_turns)
+        pending = await in_lane(self.store.undelivered_messages)
         for conv in dict.fromkeys(m.conversation_id for m in pending):
             self.wake(conv)
         if pending or closed:
@@ -185,7 +186,7 @@ class TurnLoop:
         fut: asyncio.Future[Reply] = asyncio.get_running_loop().create_future()
         self._waiters.setdefault(message_id, []).append(fut)
         try:
-            reply = await asyncio.to_thread(self.store.reply_for_message, message_id)
+            reply = await in_lane(self.store.reply_for_message, message_id)
             if reply is not None:
                 return reply
             async with asyncio.timeout(timeout):
@@ -202,7 +203,7 @@ class TurnLoop:
     async def _worker(self, conversation_id: ConversationId) -> None:
         while True:
             self._again.discard(conversation_id)
-            pending = await asyncio.to_thread(self.store.pending_for_conversation, conversation_id)
+            pending = await in_lane(self.store.pending_for_conversation, conversation_id)
             for message in pending:
                 if self._closing:
                     return
@@ -213,10 +214,10 @@ class TurnLoop:
 
     async def _process(self, message: Message) -> bool:
         """Answer and deliver one message; False when its delivery must be retried later."""
-        conv, existing = await asyncio.to_thread(self._lookup, message)
+        conv, existing = await in_lane(self._lookup, message)
         if conv is None:
             logger.error("message %s has no conversation; failing it", message.id)
-            await asyncio.to_thread(
+            await in_lane(
                 self.store.transition,
                 message.id,
                 message.state,
@@ -229,7 +230,7 @@ class TurnLoop:
         else:
             if message.state is MessageState.RUNNING:
                 # The previous process died mid-turn: run it again.
-                message = await asyncio.to_thread(
+                message = await in_lane(
                     self.store.transition, message.id, MessageState.RUNNING, MessageState.ACCEPTED
                 )
             owner = message.sender or f"conversation:{conv.id}"
@@ -241,7 +242,7 @@ class TurnLoop:
             if self._engine_down:
                 self._engine_down = False
                 logger.info("the sandbox engine answers again; turns go on")
-            reply = await asyncio.to_thread(self._record, message.id, answer.text)
+            reply = await in_lane(self._record, message.id, answer.text)
         self._engine_attempts.pop(message.id)
         self._resolve(message.id, reply)
         if reply.delivered_at is None and not await self._try_deliver(conv, message, reply):
@@ -257,9 +258,9 @@ class TurnLoop:
     async def _engine_wait(self, conv: Conversation, message: Message) -> None:
         """R7: the engine is away; the message goes back in the queue and waits for it."""
         self._engine_down = True
-        current = await asyncio.to_thread(self.store.get_message, message.id)
+        current = await in_lane(self.store.get_message, message.id)
         if current is not None and current.state is MessageState.RUNNING:
-            await asyncio.to_thread(
+            await in_lane(
                 self.store.transition, message.id, MessageState.RUNNING, MessageState.ACCEPTED
             )
         attempts = (self._engine_attempts.pop(message.id) or 0) + 1
@@ -306,7 +307,7 @@ class TurnLoop:
                     exc,
                     extra={"conversation": conv.id},
                 )
-                await asyncio.to_thread(
+                await in_lane(
                     self.store.transition,
                     message.id,
                     MessageState.REPLIED,
@@ -327,7 +328,7 @@ class TurnLoop:
             self._retry_later(conv.id, pause)
             return False
         try:
-            await asyncio.to_thread(self.store.mark_delivered, reply.outbound_key)
+            await in_lane(self.store.mark_delivered, reply.outbound_key)
         except StateConflict:
             logger.debug("reply %s already marked delivered", reply.outbound_key)
         return True
@@ -376,7 +377,7 @@ class TurnLoop:
     async def _audit(self, conv: Conversation, exc: BaseException, ref: str) -> None:
         """R6: the failure's details, for the operator, under the reference the chat saw."""
         try:
-            await asyncio.to_thread(
+            await in_lane(
                 self.store.record_refusal,
                 rule=getattr(exc, "rule", None) or "R6",
                 action="turn",

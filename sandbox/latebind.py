@@ -15,13 +15,20 @@ one. A slot is made with the mountpoints every claim of its app needs (its
 the conversation's own dirs), so that a claim creates almost nothing on the
 host's filesystem (F3: an inode made there is the dearest part of a claim on
 a busy filesystem); what a claim's plan does not need is removed before it
-binds. At claim, `bind_plan` binds every planned mount (S3) onto its place in
-the slot: the source is opened `O_PATH|O_NOFOLLOW` and checked by device and
-inode against the plan first, then bound from that descriptor (a symlink
-swapped in after the plan is never followed) as a detached copy
-(`open_tree`), set read-only when the plan says so, and only then attached
-in the slot (`move_mount`), so the sandbox never sees a read-only mount as
-writable. A kernel without those calls (before 5.12) gets the same through
+binds. The app's read-only mounts (its persona files and shared dirs, the same
+for each of its conversations: `bound_ahead`) are bound into a slot when it is
+made, so that a claim binds only the conversation's own dirs (F3: half a
+claim's mount calls). At claim, `bind_plan` first detaches every mount bound
+ahead that is not exactly in the conversation's plan (the same source, target,
+kind, device and inode: a persona file replaced or removed since), then binds
+every planned mount not already bound (S3) onto its place in the slot.
+
+Each bind, ahead or at claim, opens the source `O_PATH|O_NOFOLLOW` and checks
+it by device and inode against the plan first, then binds from that
+descriptor (a symlink swapped in after the plan is never followed) as a
+detached copy (`open_tree`), set read-only when the plan says so, and only
+then attached in the slot (`move_mount`), so the sandbox never sees a
+read-only mount as writable. A kernel without those calls (before 5.12) gets the same through
 a bind in the private `<root>/stage`, remounted there, then moved.
 
 A pooled sandbox waits for its claim as a single process: its init (the
@@ -71,6 +78,7 @@ SLOT_TARGETS: tuple[tuple[str, PurePosixPath], ...] = (
     ("bridge", BRIDGE),
 )
 MAX_DEPTH = 32
+_UNMOUNTED = (0, errno.EINVAL, errno.ENOENT)  # detached now, or nothing mounted there
 logger = logging.getLogger(__name__)
 # In the slot's bridge directory: the pooled sandbox's first process waits on it
 # (zero CPU) until the claim is complete, then starts the resident runner (F2).
@@ -150,12 +158,22 @@ def skeleton(plan: MountPlan) -> Skeleton:
     return tuple(sorted(out.items()))
 
 
+def bound_ahead(plan: MountPlan) -> tuple[PlannedMount, ...]:
+    """The planned mounts a slot can have bound before its claim: the read-only ones
+    below a slot dir (the app's persona files and shared dirs); never a conversation's
+    own dir, nor its bridge dir (a slot dir itself)."""
+    bases = {str(b) for _, b in SLOT_TARGETS}
+    return tuple(m for m in plan.mounts if m.read_only and m.target not in bases)
+
+
 @dataclass(frozen=True, slots=True)
 class Slot:
-    """One pooled sandbox's slot directories on the host, and the skeleton made in them."""
+    """One pooled sandbox's slot directories on the host, the skeleton made in them and
+    the mounts bound in them ahead of a claim."""
 
     root: Path
     made: Skeleton = ()
+    bound: tuple[PlannedMount, ...] = ()
 
     @property
     def id(self) -> str:
@@ -229,11 +247,13 @@ class LateBinder:
                 logger.warning("pooled sandboxes get the engine's init: %s", exc)
         self._ready = True
 
-    def new_slot(self, made: Skeleton = ()) -> Slot:
+    def new_slot(self, made: Skeleton = (), ahead: tuple[PlannedMount, ...] = ()) -> Slot:
         """A slot directory that is a shared mount of its own: its own peer group, so
         what a claim binds in it propagates to its sandbox alone, at a cost that does
         not grow with the number of pooled sandboxes (F3); with the mountpoints of
-        `made` (a `skeleton`) ready in it."""
+        `made` (a `skeleton`) ready in it, and the mounts of `ahead` (`bound_ahead` of
+        a plan) bound, each checked as a claim checks it. One that cannot be bound now
+        (its source changed or went) is left to the claim."""
         self.setup()
         slot = Slot(self.slots / secrets.token_hex(8), made)
         slot.root.mkdir(mode=0o755)
@@ -252,18 +272,36 @@ class LateBinder:
         except BaseException:
             detach(str(slot.root))
             raise
-        return slot
+        bound = []
+        for i, m in enumerate(ahead):
+            try:
+                self._bind_one(slot, m, i)
+            except (LateBindError, OSError) as exc:
+                logger.debug("%s not bound ahead in slot %s: %s", m.target, slot.id, exc)
+                continue
+            bound.append(m)
+        return Slot(slot.root, made, tuple(bound))
 
     def bind_plan(self, slot: Slot, plan: MountPlan) -> None:
         """Bind every planned mount into `slot` (S3); on any failure undo and raise.
 
-        First the mountpoints made ahead that this plan has no use for go (a persona
-        file removed since the slot was made): the sandbox sees no stub of them."""
+        First the mounts bound ahead that are not exactly in this plan are detached,
+        and the mountpoints made ahead that it has no use for go (a persona file
+        replaced or removed since the slot was made): the sandbox sees neither the
+        old file nor a stub of it. A mount bound ahead that is in the plan stays."""
+        root = str(slot.root)
         try:
+            planned = set(plan.mounts)
+            for m in sorted(slot.bound, key=lambda m: m.target, reverse=True):
+                gone = m in planned or detach(_slot_place(root, m.target)) in _UNMOUNTED
+                if not gone:
+                    raise LateBindError(f"cannot detach {m.target}, bound ahead")
             if slot.made:
-                _unmake(str(slot.root), set(slot.made) - set(skeleton(plan)))
+                _unmake(root, set(slot.made) - set(skeleton(plan)))
+            ahead = planned.intersection(slot.bound)
             for i, m in enumerate(plan.mounts):
-                self._bind_one(slot, m, i)
+                if m not in ahead:
+                    self._bind_one(slot, m, i)
         except BaseException:
             self.unbind(slot)
             raise

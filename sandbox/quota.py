@@ -558,6 +558,11 @@ class LoopQuota:
     def image(self, agent: str, digest: str) -> Path:
         return self.root / agent / f"{digest}.img"
 
+    def spare_ready(self, agent: str) -> bool:
+        """Would a new conversation's `ensure` take an image made ahead (no `mkfs`)?
+        Never here; a quota that keeps spares says when it has one. Looks at no file."""
+        return False
+
     def mount_dir(self, agent: str, digest: str) -> Path:
         return self.root / agent / f"{digest}.mnt"
 

@@ -191,33 +191,46 @@ def test_S4_R5_tampered_late_bound_mount_refuses_next_turn(live: LiveGateway) ->
     assert "ok-again" in live.run(chat, "echo ok-again")
 
 
-def test_F1_S3_mountpoints_made_ahead_show_only_what_the_plan_mounts(live: LiveGateway) -> None:
-    """A slot is made with the mountpoints of the last claim's plan (F3: a claim then
-    creates almost nothing on the host). A persona file removed since leaves no stub
-    in the next claimed sandbox: it sees exactly the workspace's files (S3)."""
+def test_F1_S3_mounts_bound_ahead_show_only_what_the_plan_mounts(live: LiveGateway) -> None:
+    """A slot is made with the mountpoints of the last claim's plan, and the app's
+    read-only mounts (its persona files) already bound (F3: a claim then binds only the
+    conversation's own dirs). A persona file removed since leaves no stub, and one
+    replaced since shows its new content, once: the claimed sandbox sees exactly the
+    workspace's files as they are at its claim (S3)."""
     if live.runtime != "runc":
         assert pool_of(live).refusal is not None  # nothing is late-bound under gVisor
         return
     pool = pool_of(live)
-    persona = live.state_dir / "agents" / live.agent / "workspace" / "IDENTITY.md"
-    kept = persona.read_bytes()
+    ws = live.state_dir / "agents" / live.agent / "workspace"
+    removed, replaced = ws / "IDENTITY.md", ws / "AGENTS.md"
+    kept = {p: p.read_bytes() for p in (removed, replaced)}
     for i in range(2 * POOL["max"]):  # claims until every ready slot was made after one
         assert "[exit 0]" in live.run(f"pool-skel-{i}", "true")
         wait_ready(live, 1)
-        if all(p.slot.made for p in pool.ready):
+        if all(p.slot.made and p.slot.bound for p in pool.ready):
             break
     ready = list(pool.ready)
-    assert ready and all(p.slot.made for p in ready), "no slot was made with its mountpoints"
-    stub = slot_path(ready[0].slot, _p("/workspace/IDENTITY.md"))
-    assert stub.is_file() and stub.stat().st_size == 0  # made ahead, nothing bound on it yet
-    persona.unlink()
+    assert ready and all(p.slot.made and p.slot.bound for p in ready), "nothing bound ahead"
+    ahead = slot_path(ready[0].slot, _p("/workspace/IDENTITY.md"))
+    assert ahead.read_bytes() == kept[removed]  # bound ahead of any claim
+    removed.unlink()
+    new = ws / ".AGENTS.md.new"
+    new.write_text("replaced since the slot was made\n")
+    new.replace(replaced)  # another inode at the same path
     try:
-        reply = live.run("pool-skel-after", "ls -A /workspace; echo; cat /workspace/AGENTS.md")
+        reply = live.run(
+            "pool-skel-after",
+            "ls -A /workspace; echo; cat /workspace/AGENTS.md; "
+            "echo mounts=$(grep -c ' /workspace/AGENTS.md ' /proc/self/mountinfo)",
+        )
         assert any(c.pooled is ready[0] for c in pool.claimed.values())  # that slot served it
         assert "IDENTITY.md" not in reply
-        assert "AGENTS.md" in reply and "[exit 0]" in reply
+        assert "replaced since the slot was made" in reply
+        assert kept[replaced].decode() not in reply
+        assert "mounts=1" in reply and "[exit 0]" in reply
     finally:
-        persona.write_bytes(kept)
+        for p, data in kept.items():
+            p.write_bytes(data)
 
 
 def test_F3_refill_waits_for_the_claimed_first_turn(live: LiveGateway) -> None:

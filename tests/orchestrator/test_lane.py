@@ -1,0 +1,96 @@
+"""F3: the turn lane, one worker thread for the short blocking calls of every turn.
+
+A burst keeps one thread, not the default executor's many, handing the
+interpreter lock back and forth with the event loop; and a turn never waits
+behind what fills the default executor (backups, spare quota images, a
+refill). Nothing here needs an engine: the turn is a host agent's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import threading
+import time
+from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from orchestrator.config import load_config, write_config_document
+from orchestrator.gateway import Gateway
+from orchestrator.lane import THREAD_NAME, in_lane
+from tests.e2e.conftest import SUITE_ADMISSION
+from tests.fakes.no_engine import NoEngineBackend
+from tests.support.run_id import seed_gateway_id
+
+AGENT = "laned"
+WHO = contextvars.ContextVar("WHO", default="nobody")
+
+
+async def test_F3_lane_is_one_thread_in_order_with_the_callers_context() -> None:
+    seen: list[tuple[str, str, float, float]] = []
+
+    def job(i: int) -> int:
+        t0 = time.monotonic()
+        time.sleep(0.02)
+        seen.append((threading.current_thread().name, WHO.get(), t0, time.monotonic()))
+        return i * 2
+
+    WHO.set("caller")
+    got = await asyncio.gather(*(in_lane(job, i) for i in range(4)))
+    assert got == [0, 2, 4, 6]
+    assert {name.rsplit("_", 1)[0] for name, *_ in seen} == {THREAD_NAME}
+    assert {who for _, who, *_ in seen} == {"caller"}
+    spans = sorted((t0, t1) for *_, t0, t1 in seen)
+    assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:], strict=False))  # one at a time
+
+
+@pytest.fixture
+async def gateway(tmp_path: Path) -> AsyncIterator[Gateway]:
+    state = seed_gateway_id(tmp_path / "state")
+    config = state / "config.json"
+    agent = {
+        "id": AGENT,
+        "isolateMemory": True,
+        "harness": {
+            "type": "command",
+            "argv": ["/bin/sh", "-c", "{prompt}"],
+            "output": "text",
+            "timeoutSeconds": 20,
+        },
+    }
+    write_config_document(
+        config,
+        {
+            "gateway": {"stateDir": str(state), "admission": SUITE_ADMISSION},
+            "agents": [agent],
+        },
+    )
+    gw = Gateway(load_config(config), NoEngineBackend())
+    try:
+        yield gw
+    finally:
+        await gw.close()
+
+
+async def test_F3_a_turn_does_not_wait_behind_a_full_default_executor(gateway: Gateway) -> None:
+    """Every thread of the default executor busy (a backup, a refill): a turn is
+    answered all the same, its store and host-file calls on the lane. (The gateway's
+    start, once, uses the default executor: it is over before.)"""
+    assert (await gateway.turn(AGENT, "api", "alice", "true")).result.ok
+    loop = asyncio.get_running_loop()
+    busy = ThreadPoolExecutor(1, "test-default")
+    loop.set_default_executor(busy)
+    held = threading.Event()
+    blocker = loop.run_in_executor(None, held.wait, 60)
+    try:
+        async with asyncio.timeout(20):
+            out = await gateway.turn(AGENT, "api", "bob", "echo answered")
+        assert out.result.ok and "answered" in out.result.reply
+        assert not blocker.done()  # the default executor was held all along
+    finally:
+        held.set()
+        await blocker
+        busy.shutdown()
