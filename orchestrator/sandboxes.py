@@ -156,6 +156,7 @@ class ConversationSandboxes:
         self._image: ImageFacts | None = None
         self.pool: SandboxPool | None = None  # orchestrator.pool (F1)
         self.quota, self.quota_refusal = quota_from(settings, app)
+        self._laned = 0  # preparations on the turn lane now (see `spec_for`)
 
     async def image(self) -> ImageFacts:
         if self._image is None:
@@ -194,9 +195,16 @@ class ConversationSandboxes:
             )
 
         # on the turn lane unless it may have to format a new quota image (F3: a flood
-        # of new conversations with no spare never queues every turn behind mkfs)
-        quick = self.quota is None or self.quota.spare_ready(self.app.agent)
-        return await (in_lane(prepare) if quick else asyncio.to_thread(prepare)), paths
+        # of new conversations with no spare never queues every turn behind mkfs): one
+        # spare made ahead for each preparation on the lane, counted on the loop
+        quick = self.quota is None or self.quota.spares_ready(self.app.agent) > self._laned
+        if not quick:
+            return await asyncio.to_thread(prepare), paths
+        self._laned += 1
+        try:
+            return await in_lane(prepare), paths
+        finally:
+            self._laned -= 1
 
     async def ensure(self, key: ConversationKey, session_id: str) -> PreparedSandbox:
         if self.quota_refusal is not None:

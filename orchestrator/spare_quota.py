@@ -108,9 +108,9 @@ class SparedQuota(LoopQuota):
                     self._move_mount(taken, self.mount_dir(agent, digest))
         super().ensure(agent, digest, targets, owner)
 
-    def spare_ready(self, agent: str) -> bool:
+    def spares_ready(self, agent: str) -> int:
         with self._known_lock:
-            return bool(self._known.get(agent))
+            return len(self._known.get(agent) or ())
 
     def spares(self, agent: str) -> int:
         """How many spares are ready for `agent`."""

@@ -558,10 +558,10 @@ class LoopQuota:
     def image(self, agent: str, digest: str) -> Path:
         return self.root / agent / f"{digest}.img"
 
-    def spare_ready(self, agent: str) -> bool:
-        """Would a new conversation's `ensure` take an image made ahead (no `mkfs`)?
-        Never here; a quota that keeps spares says when it has one. Looks at no file."""
-        return False
+    def spares_ready(self, agent: str) -> int:
+        """How many new conversations' `ensure` would take an image made ahead (no
+        `mkfs`): none here; a quota that keeps spares counts them. Looks at no file."""
+        return 0
 
     def mount_dir(self, agent: str, digest: str) -> Path:
         return self.root / agent / f"{digest}.mnt"

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import itertools
 import threading
 import time
 from collections.abc import AsyncIterator
@@ -44,7 +45,7 @@ async def test_F3_lane_is_one_thread_in_order_with_the_callers_context() -> None
     assert {name.rsplit("_", 1)[0] for name, *_ in seen} == {THREAD_NAME}
     assert {who for _, who, *_ in seen} == {"caller"}
     spans = sorted((t0, t1) for *_, t0, t1 in seen)
-    assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:], strict=False))  # one at a time
+    assert all(a[1] <= b[0] for a, b in itertools.pairwise(spans))  # one at a time
 
 
 @pytest.fixture

@@ -50,11 +50,14 @@ def spare_mounts(q: SparedQuota) -> list[str]:
 def test_F1_R2_refill_makes_mounted_spares_and_a_new_conversation_takes_one(
     spared: SparedQuota, tmp_path: Path
 ) -> None:
+    assert spared.spares_ready(AGENT) == 0
     assert spared.refill(AGENT) == 2
     assert spared.refill(AGENT) == 0  # idempotent
     assert len(spare_mounts(spared)) == 2
+    assert spared.spares_ready(AGENT) == 2  # F3: so many first turns can go on the lane
     c = conv(spared, tmp_path, "a")
     c.ensure()
+    assert spared.spares_ready(AGENT) == 1
     image = spared.image(AGENT, c.digest)
     mnt = spared.mount_dir(AGENT, c.digest)
     dev = os.stat(mnt).st_dev
