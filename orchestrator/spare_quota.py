@@ -11,9 +11,10 @@ the agent's spares lock (two claims never share one): the image is renamed
 into place (the loop device follows the rename); then, under the conversation's
 lock alone, its mount is bound onto the conversation's `<digest>.mnt` and the
 spare mount detached (a few milliseconds each in a burst, so never under the
-agent's lock); then `LoopQuota.ensure` finds the image mounted and
-binds its subdirs as ever (R2 unchanged: the image is one the quota code
-made, with this app's limits). `refill` makes spares up to `count`, in a
+agent's lock; a gateway stopped between the rename and the move leaves the
+spare's mount, which the next refill detaches); then `LoopQuota.ensure` finds
+the image mounted and binds its subdirs as ever (R2 unchanged: the image is
+one the quota code made, with this app's limits). `refill` makes spares up to `count`, in a
 worker thread.
 
 A take does not list the agent's directory (it also holds every conversation's
@@ -250,6 +251,41 @@ class SparedQuota(LoopQuota):
             finally:
                 os.close(fd)
 
+    @staticmethod
+    def _orphan_mounts(d: Path) -> None:
+        """The mount of a spare whose image is gone: a take renamed the image into a
+        conversation's place, and the gateway stopped before it moved the mount. It is
+        detached under that conversation's lock, tried once (a take holds it from its
+        rename until its move is done: a busy one is left for the next refill; never
+        waited for, as a take waits for the spares' lock under it). The conversation's
+        `ensure` then mounts its image again, on the same loop device. A mount of
+        anything but an image of this directory is left alone."""
+        for e in os.scandir(d):
+            mnt = Path(e.path)
+            if mnt.suffix != ".mnt" or not SPARE.fullmatch(mnt.with_suffix(".img").name):
+                continue
+            if mnt.with_suffix(".img").exists():
+                continue  # a spare's own
+            try:
+                dev = os.lstat(mnt).st_dev
+                if dev == os.lstat(d).st_dev:  # nothing mounted: an empty dir a crash left
+                    os.rmdir(mnt)
+                    continue
+            except OSError:
+                continue
+            image = Path(loop_backing_file(dev) or "/")
+            if image.parent != d or image.suffix != ".img" or not image.stem.isalnum():
+                continue
+            try:
+                with locked(d / f"{image.stem}.lock", timeout=0):
+                    if _mounted(image, mnt):
+                        detach(str(mnt))
+                        logger.info("quota (R2): %s, left by a take, detached", mnt.name)
+                    with contextlib.suppress(OSError):
+                        os.rmdir(mnt)
+            except QuotaError:
+                continue  # a take of it is moving the mount now
+
     def release_spares(self, agent: str) -> None:
         """Detach every spare's mount (its agent is gone or no longer pooled); the image
         files stay, and `refill` mounts them again if the agent comes back."""
@@ -263,9 +299,11 @@ class SparedQuota(LoopQuota):
                     detach(str(_mnt(spare)))
 
     def _remount_spares(self, agent: str) -> None:
-        """Mount spares that are not (after a reboot); drop pending ones a crash left."""
+        """Mount spares that are not (after a reboot); drop pending ones a crash left,
+        and the mounts of spares a crash left taken but not moved (`_orphan_mounts`)."""
         d = self.root / agent
         with locked(d / LOCK):
+            self._orphan_mounts(d)
             for name in self._spares(agent):
                 spare = d / name
                 if not self._fits(spare):

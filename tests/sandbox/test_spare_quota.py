@@ -22,6 +22,7 @@ from orchestrator.spare_quota import STALE_PENDING, SparedQuota
 from sandbox.quota import (
     LoopQuota,
     QuotaLimits,
+    locked,
     loop_backing_file,
     mountinfo,
     release_all,
@@ -200,3 +201,25 @@ def test_F1_F3_R2_a_take_uses_the_spares_it_knows_and_finds_the_ones_it_does_not
     d = conv(spared, tmp_path, "d")
     d.ensure()
     assert spare_mounts(spared) == []
+
+
+def test_F1_R2_a_spare_a_crash_left_taken_but_not_moved_is_detached_at_the_next_refill(
+    spared: SparedQuota, tmp_path: Path
+) -> None:
+    """A take renames a spare into a conversation's place, then moves its mount; a
+    gateway stopped in between leaves the spare's mount behind. The next refill detaches
+    it, never while a take of that conversation holds its lock, and the conversation's
+    image mounts again on its own mount dir."""
+    assert spared.refill(AGENT) == 2
+    c = conv(spared, tmp_path, "a")
+    left = spared._take_spare(AGENT, c.digest)  # the rename alone: the crash is here
+    assert left is not None and str(left) in spare_mounts(spared)
+    with locked(spared.root / AGENT / f"{c.digest}.lock"):  # a take moving it now
+        spared.refill(AGENT)
+        assert str(left) in spare_mounts(spared)
+    spared.refill(AGENT)
+    assert str(left) not in spare_mounts(spared) and not left.exists()
+    assert len(spare_mounts(spared)) == 2  # the spares are whole again
+    c.ensure()
+    dev = os.stat(spared.mount_dir(AGENT, c.digest)).st_dev
+    assert loop_backing_file(dev) == str(spared.image(AGENT, c.digest))
