@@ -163,8 +163,10 @@ class TurnRunner:
                 finally:
                     self.store.finish_turn(turn.id, ok=ok, harness_turn_id=harness_turn)
 
-            finished = True  # the job finishes the turn whatever happens to this task
-            await in_lane(save_and_finish)
+            # the job finishes the turn whatever happens to this task: shielded, a job still
+            # queued on the lane when the task is cancelled (a shutdown) runs all the same
+            finished = True
+            await asyncio.shield(in_lane(save_and_finish))
             self.outcomes.put(message.id, Outcome(sandbox[0], result, None))
             return TurnAnswer(result.ok, result.reply)
         except CellgateError as exc:
@@ -172,7 +174,10 @@ class TurnRunner:
             raise
         finally:
             if not finished:
-                await in_lane(self.store.finish_turn, turn.id, ok=ok, harness_turn_id=harness_turn)
+                finish = in_lane(
+                    self.store.finish_turn, turn.id, ok=ok, harness_turn_id=harness_turn
+                )
+                await asyncio.shield(finish)
 
     async def execute(
         self,

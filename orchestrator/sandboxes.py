@@ -29,7 +29,7 @@ from policies.secrets import env_entry
 from sandbox.backends.base import ImageFacts, SandboxBackend, SandboxHandle
 from sandbox.gateway_id import valid_gateway_id
 from sandbox.mountplan import own_dirs, plan_mounts, scan_workspace
-from sandbox.quota import LoopQuota, QuotaLimits, QuotaTarget, probe
+from sandbox.quota import Busy, LoopQuota, QuotaLimits, QuotaTarget, probe
 from sandbox.spec import DEFAULT_UID, SandboxLimits, SandboxSpec, sandbox_name
 
 logger = logging.getLogger(__name__)
@@ -156,7 +156,6 @@ class ConversationSandboxes:
         self._image: ImageFacts | None = None
         self.pool: SandboxPool | None = None  # orchestrator.pool (F1)
         self.quota, self.quota_refusal = quota_from(settings, app)
-        self._laned = 0  # preparations on the turn lane now (see `spec_for`)
 
     async def image(self) -> ImageFacts:
         if self._image is None:
@@ -171,10 +170,10 @@ class ConversationSandboxes:
         uid, gid = (int(x) for x in user.split(":"))
         paths = conversation_paths(self.app.agent_root, self.app.workspace, key, session_id)
 
-        def prepare() -> SandboxSpec:
+        def prepare(quick: bool) -> SandboxSpec:
             if self.quota is not None:
                 targets = quota_targets(paths, self.app.agent_root)
-                self.quota.ensure(self.app.agent, key.digest, targets, (uid, gid))
+                self.quota.ensure(self.app.agent, key.digest, targets, (uid, gid), quick=quick)
             ensure_conversation(paths, uid, gid)
             snap = scan_workspace(paths.workspace)
             own = own_dirs(paths.chat_dir, paths.media_dir, paths.home_dir, paths.bridge_dir)
@@ -194,17 +193,13 @@ class ConversationSandboxes:
                 gateway=self.gateway_id,
             )
 
-        # on the turn lane unless it may have to format a new quota image (F3: a flood
-        # of new conversations with no spare never queues every turn behind mkfs): one
-        # spare made ahead for each preparation on the lane, counted on the loop
-        quick = self.quota is None or self.quota.spares_ready(self.app.agent) > self._laned
-        if not quick:
-            return await asyncio.to_thread(prepare), paths
-        self._laned += 1
+        # on the turn lane, quick: anything that may take long (a quota image to make or
+        # mount, its lock held, data to move in) is `Busy` there and done on the default
+        # executor, so that it never queues every turn of the gateway behind it (F3)
         try:
-            return await in_lane(prepare), paths
-        finally:
-            self._laned -= 1
+            return await in_lane(prepare, True), paths
+        except Busy:
+            return await asyncio.to_thread(prepare, False), paths
 
     async def ensure(self, key: ConversationKey, session_id: str) -> PreparedSandbox:
         if self.quota_refusal is not None:

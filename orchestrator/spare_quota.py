@@ -57,6 +57,7 @@ PENDING = re.compile(r"pending-[0-9a-f]{16}\.img")
 LOCK = "spares.lock"
 LIMITS = "limits"  # in the spare's markers dir: the limits it was made for
 STALE_PENDING = 600.0  # seconds: a pending spare this old was left by a crash
+DELETED = " (deleted)"  # how the kernel names a loop device's backing file once unlinked
 
 
 def _mounted(image: Path, mnt: Path) -> bool:
@@ -94,24 +95,23 @@ class SparedQuota(LoopQuota):
         digest: str,
         targets: Sequence[QuotaTarget],
         owner: tuple[int, int] | None,
+        *,
+        quick: bool = False,
     ) -> None:
         agent_dir = self.agent_dir(agent, digest)
+        wait = 0 if quick else None  # quick: a held lock is `Busy` at once
         if not self.image(agent, digest).exists():
             # the conversation's own lock (as LoopQuota's), then the spares' while one is
             # renamed into place: no image of its own can appear meanwhile, and no other
             # claim, refill or release sees that spare again. Its mount moves under the
             # conversation's lock alone (a bind and a detach: the kernel's mount work,
             # milliseconds under a burst, is not serialized across the agent's claims, F3).
-            with locked(agent_dir / f"{digest}.lock"):
-                with locked(agent_dir / LOCK):
+            with locked(agent_dir / f"{digest}.lock", timeout=wait):
+                with locked(agent_dir / LOCK, timeout=wait):
                     taken = self._take_spare(agent, digest)
                 if taken is not None:
                     self._move_mount(taken, self.mount_dir(agent, digest))
-        super().ensure(agent, digest, targets, owner)
-
-    def spares_ready(self, agent: str) -> int:
-        with self._known_lock:
-            return len(self._known.get(agent) or ())
+        super().ensure(agent, digest, targets, owner, quick=quick)
 
     def spares(self, agent: str) -> int:
         """How many spares are ready for `agent`."""
@@ -266,6 +266,8 @@ class SparedQuota(LoopQuota):
                 continue
             if mnt.with_suffix(".img").exists():
                 continue  # a spare's own
+            if (d / mnt.name.replace("spare-", "pending-", 1)).with_suffix(".img").exists():
+                continue  # a refill is making that spare now
             try:
                 dev = os.lstat(mnt).st_dev
                 if dev == os.lstat(d).st_dev:  # nothing mounted: an empty dir a crash left
@@ -273,7 +275,13 @@ class SparedQuota(LoopQuota):
                     continue
             except OSError:
                 continue
-            image = Path(loop_backing_file(dev) or "/")
+            back = loop_backing_file(dev) or "/"
+            if back.endswith(DELETED) and Path(back.removesuffix(DELETED)).parent == d:
+                detach(str(mnt))  # its conversation's image was deleted since: nobody's
+                with contextlib.suppress(OSError):
+                    os.rmdir(mnt)
+                continue
+            image = Path(back)
             if image.parent != d or image.suffix != ".img" or not image.stem.isalnum():
                 continue
             try:

@@ -472,6 +472,11 @@ def _mkdirs_nofollow(base: Path, target: Path, mode: int = 0o755) -> None:
             raise QuotaError(f"{current} exists and is not a directory (symlinks are refused)")
 
 
+def _has_entries(path: str) -> bool:
+    with os.scandir(path) as it:
+        return next(it, None) is not None
+
+
 def _walk_nofollow(base: Path, target: Path) -> tuple[int, int] | None:
     """(its parent, `target`) opened O_PATH from `base` one name at a time, no link
     followed; None when a part is missing, a link or not a directory."""
@@ -523,6 +528,11 @@ def keep_spare_inodes(mnt: Path, spare: Path) -> None:
 _THREAD_LOCK = threading.Lock()
 
 
+class Busy(QuotaError):
+    """It would have to wait: a lock is held (`locked` with a timeout), or a quick
+    `ensure` met slow work (an image to make or mount, data to move in)."""
+
+
 @contextlib.contextmanager
 def locked(lock_path: Path, timeout: float | None = None) -> Iterator[None]:
     """`lock_path` locked (across processes); after `timeout` seconds a QuotaError."""
@@ -538,7 +548,7 @@ def locked(lock_path: Path, timeout: float | None = None) -> Iterator[None]:
                     break
                 except BlockingIOError:
                     if time.monotonic() >= deadline:
-                        raise QuotaError(
+                        raise Busy(
                             f"{lock_path.name} stayed locked for {timeout:g} s; try again"
                         ) from None
                     time.sleep(pause)
@@ -558,11 +568,6 @@ class LoopQuota:
     def image(self, agent: str, digest: str) -> Path:
         return self.root / agent / f"{digest}.img"
 
-    def spares_ready(self, agent: str) -> int:
-        """How many new conversations' `ensure` would take an image made ahead (no
-        `mkfs`): none here; a quota that keeps spares counts them. Looks at no file."""
-        return 0
-
     def mount_dir(self, agent: str, digest: str) -> Path:
         return self.root / agent / f"{digest}.mnt"
 
@@ -572,15 +577,22 @@ class LoopQuota:
         digest: str,
         targets: Sequence[QuotaTarget],
         owner: tuple[int, int] | None,
+        *,
+        quick: bool = False,
     ) -> None:
         """Every target is its image subdir, mounted nosuid,nodev[,noexec]; idempotent.
 
         When all is in place it costs a few `lstat`/`statvfs` calls: the mount
-        table is read only to set something up."""
+        table is read only to set something up. `quick`: raise `Busy` instead of
+        anything that may take long (its lock held, an image to make or to mount,
+        a host dir's data to move in); what was done stays done, and an `ensure`
+        that is not quick finishes it."""
         agent_dir = self.agent_dir(agent, digest)
         image, mnt = self.image(agent, digest), self.mount_dir(agent, digest)
-        with locked(agent_dir / f"{digest}.lock"):
+        with locked(agent_dir / f"{digest}.lock", timeout=0 if quick else None):
             fresh = not image.exists()
+            if quick and (fresh or self._mounted_dev(image, mnt) is None):
+                raise Busy(f"{image.name} is to be made or mounted")
             if fresh:
                 make_image(image, self.limits)
             dev = self._mount(image, mnt, fresh=fresh)
@@ -589,7 +601,7 @@ class LoopQuota:
                 os.mkdir(markers, 0o700)
             keep_spare_inodes(mnt, markers / "spare")
             for t in targets:
-                self._bind(t, mnt, markers, dev, owner)
+                self._bind(t, mnt, markers, dev, owner, quick)
             os.utime(agent_dir / f"{digest}.lock")  # used now (see `mounted`)
 
     @contextlib.contextmanager
@@ -766,6 +778,7 @@ class LoopQuota:
         markers: Path,
         dev: int,
         owner: tuple[int, int] | None,
+        quick: bool = False,
     ) -> None:
         sub = mnt / t.name
         _mkdirs_nofollow(mnt, sub)
@@ -792,6 +805,8 @@ class LoopQuota:
             )
         marker = markers / f"migrated-{t.name.replace('/', '-')}"
         if not marker.exists():
+            if quick and _has_entries(host):
+                raise Busy(f"{host} has data to move into the image")
             _migrate(QuotaTarget(t.name, t.base, Path(host)), sub, self.limits)
             marker.touch(0o600)
         fd = os.open(sub, os.O_PATH | os.O_NOFOLLOW | os.O_DIRECTORY | os.O_CLOEXEC)

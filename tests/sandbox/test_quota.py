@@ -24,6 +24,7 @@ from orchestrator.config import GatewaySettings, Limits
 from orchestrator.sandboxes import ConversationSandboxes
 from sandbox import quota as quota_mod
 from sandbox.quota import (
+    Busy,
     LoopQuota,
     QuotaLimits,
     QuotaTarget,
@@ -196,6 +197,28 @@ def test_r2_after_an_unmount_ensure_mounts_again_and_the_data_is_there(
     assert (c.chat / "MEMORY.md").read_text() == "remember me"
     assert len(entries_at(c.chat)) == 1
     assert len(entries_at(quota.mount_dir("agent-q", c.digest))) == 1
+
+
+def test_F3_R2_a_quick_ensure_is_busy_for_anything_slow_and_does_it_not(
+    quota: LoopQuota, tmp_path: Path
+) -> None:
+    """On the turn lane (F3) `ensure` is quick: an image to make or to mount, or its lock
+    held, is `Busy` at once and nothing is made; in place, it is done as ever."""
+    c = conv(quota, tmp_path, "a")
+    with pytest.raises(Busy):
+        quota.ensure("agent-q", c.digest, c.targets, OWNER, quick=True)
+    assert not quota.image("agent-q", c.digest).exists()  # no mkfs was started
+    c.ensure()
+    quota.ensure("agent-q", c.digest, c.targets, OWNER, quick=True)  # all in place
+    held = locked(quota.root / "agent-q" / f"{c.digest}.lock")  # a reader holds it
+    with held, pytest.raises(Busy):
+        quota.ensure("agent-q", c.digest, c.targets, OWNER, quick=True)
+    release_all(tmp_path)  # a reboot, as far as mounts go
+    with pytest.raises(Busy):
+        quota.ensure("agent-q", c.digest, c.targets, OWNER, quick=True)
+    assert not entries_at(c.chat)  # nothing mounted by it
+    c.ensure()
+    assert len(entries_at(c.chat)) == 1
 
 
 def test_R2_R3_release_gives_back_one_conversations_mounts_and_keeps_its_data(

@@ -20,6 +20,7 @@ import pytest
 
 from orchestrator.spare_quota import STALE_PENDING, SparedQuota
 from sandbox.quota import (
+    Busy,
     LoopQuota,
     QuotaLimits,
     locked,
@@ -51,14 +52,11 @@ def spare_mounts(q: SparedQuota) -> list[str]:
 def test_F1_R2_refill_makes_mounted_spares_and_a_new_conversation_takes_one(
     spared: SparedQuota, tmp_path: Path
 ) -> None:
-    assert spared.spares_ready(AGENT) == 0
     assert spared.refill(AGENT) == 2
     assert spared.refill(AGENT) == 0  # idempotent
     assert len(spare_mounts(spared)) == 2
-    assert spared.spares_ready(AGENT) == 2  # F3: so many first turns can go on the lane
     c = conv(spared, tmp_path, "a")
     c.ensure()
-    assert spared.spares_ready(AGENT) == 1
     image = spared.image(AGENT, c.digest)
     mnt = spared.mount_dir(AGENT, c.digest)
     dev = os.stat(mnt).st_dev
@@ -223,3 +221,21 @@ def test_F1_R2_a_spare_a_crash_left_taken_but_not_moved_is_detached_at_the_next_
     c.ensure()
     dev = os.stat(spared.mount_dir(AGENT, c.digest)).st_dev
     assert loop_backing_file(dev) == str(spared.image(AGENT, c.digest))
+
+
+def test_F1_F3_R2_a_quick_ensure_takes_a_spare_and_is_busy_without_one(
+    spared: SparedQuota, tmp_path: Path
+) -> None:
+    """On the turn lane (F3) an `ensure` is quick: a new conversation takes a spare made
+    ahead; with none left it is `Busy` at once, makes nothing, and the caller runs it
+    again off the lane, where it formats the image."""
+    assert spared.refill(AGENT, 1) == 1
+    a, b = conv(spared, tmp_path, "a"), conv(spared, tmp_path, "b")
+    spared.ensure(AGENT, a.digest, a.targets, OWNER, quick=True)
+    assert loop_backing_file(os.stat(a.chat).st_dev) == str(spared.image(AGENT, a.digest))
+    with pytest.raises(Busy):
+        spared.ensure(AGENT, b.digest, b.targets, OWNER, quick=True)
+    assert not spared.image(AGENT, b.digest).exists()
+    b.ensure()  # not quick: it makes its image
+    assert loop_backing_file(os.stat(b.chat).st_dev) == str(spared.image(AGENT, b.digest))
+    spared.ensure(AGENT, b.digest, b.targets, OWNER, quick=True)  # in place: quick
