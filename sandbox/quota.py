@@ -535,7 +535,7 @@ class Busy(QuotaError):
 
 @contextlib.contextmanager
 def locked(lock_path: Path, timeout: float | None = None) -> Iterator[None]:
-    """`lock_path` locked (across processes); after `timeout` seconds a QuotaError."""
+    """`lock_path` locked (across processes); after `timeout` seconds `Busy` (0: one try)."""
     fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:
         if timeout is None:
