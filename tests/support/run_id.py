@@ -7,8 +7,8 @@ so a run never lists or removes another gateway's (or another run's) sandboxes.
 
 from __future__ import annotations
 
-import contextlib
 import secrets
+import time
 from pathlib import Path
 from typing import Any
 
@@ -31,13 +31,29 @@ def run_containers(client: Any, app: str | None = None) -> list[dict[str, Any]]:
     return rows
 
 
+REMOVE_TRIES = 4
+
+
 def remove_run_containers(client: Any, app: str | None = None) -> None:
-    """Force-remove this run's containers (of `app`), whatever state they are in."""
+    """Force-remove this run's containers (of `app`), whatever state they are in.
+
+    An engine slow to kill one (a gVisor sandbox on a loaded CI machine once took
+    over the SDK's 60 s read timeout) is asked again until it is gone, a few times."""
     import docker.errors
+    import requests
 
     for row in run_containers(client, app):
-        with contextlib.suppress(docker.errors.NotFound):
-            client.api.remove_container(row["Id"], force=True, v=True)
+        for attempt in range(REMOVE_TRIES):
+            try:
+                client.api.remove_container(row["Id"], force=True, v=True)
+                break
+            except docker.errors.NotFound:
+                break
+            except (requests.exceptions.ReadTimeout, docker.errors.APIError) as exc:
+                slow = isinstance(exc, requests.exceptions.ReadTimeout)
+                if attempt == REMOVE_TRIES - 1 or not (slow or "in progress" in str(exc)):
+                    raise
+                time.sleep(2)
 
 
 def seed_gateway_id(state_dir: Path) -> Path:
