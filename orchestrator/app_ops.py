@@ -52,6 +52,7 @@ from sandbox.spec import LABEL_APP, LABEL_CONVERSATION, LABEL_GATEWAY, LABEL_MAN
 logger = logging.getLogger(__name__)
 
 REMOVAL_WAIT = 60.0  # seconds: a sandbox the running gateway is removing (F1) is gone by then
+PURGE_SECONDS = 30.0  # how long a purge retries a delete a serving gateway's refill got into
 
 
 def _quiet(line: str) -> None:
@@ -487,12 +488,30 @@ def uninstall_app(
     if purge:
         progress(f"deleting {app.agent_root} and the store rows of {app.agent}")
         for path in (app.agent_root, quota, record_dir):
-            shutil.rmtree(path, ignore_errors=False) if path.exists() else None
+            _purge_dir(path)
         delete_agent_rows(state_dir, app.agent)
     else:
         progress(f"kept the data of {app.agent} in {app.agent_root} (--purge deletes it)")
     logger.info("uninstalled app %s%s", name, " (purged)" if purge else "")
     return archive
+
+
+def _purge_dir(path: Path) -> None:
+    """Delete `path`. A gateway that still serves the app until its config reload drops
+    it (a moment) may be making a spare quota image in it meanwhile (F1): a file made
+    under the delete, or a spare mounted, fails it; the mounts under `path` are then
+    released and the delete tried again, for at most `PURGE_SECONDS`."""
+    from sandbox.quota import release_all
+
+    deadline = time.monotonic() + PURGE_SECONDS
+    while path.exists():
+        try:
+            shutil.rmtree(path)
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
+            release_all(path)
 
 
 def dump(doc: Any) -> str:

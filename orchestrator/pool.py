@@ -561,6 +561,7 @@ class WarmPools:
         """L5: the agent was restarted (or dropped): its old pool drains now, not at its
         next refill; a restarted agent gets a pool of its own new sandboxes."""
         for old in [p for p in self.pools if not p.current()]:
+            old._stop.set()  # a spare-quota refill in its worker thread makes no more
             old.wake.set()  # its loop sees it is no longer current, drains and ends
             self.pools.remove(old)
         self._follow(agent_id)
