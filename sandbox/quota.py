@@ -408,12 +408,10 @@ def _copy_tree(src: int, label: Path, dst: Path, budget: _Budget, depth: int = 0
 def _migrate(target: QuotaTarget, sub: Path, limits: QuotaLimits) -> None:
     """Copy what the host dir held before the quota into the image, once, bounded."""
     try:
-        with os.scandir(target.path) as it:
-            empty = next(it, None) is None
+        if not _has_entries(str(target.path)):
+            return
     except OSError as exc:
         raise QuotaError(f"cannot read {target.path}: {exc.strerror}") from exc
-    if empty:
-        return
     free = os.statvfs(sub)
     budget = _Budget(bytes=free.f_bavail * free.f_frsize, entries=min(free.f_favail, limits.inodes))
     complete = True
@@ -473,6 +471,7 @@ def _mkdirs_nofollow(base: Path, target: Path, mode: int = 0o755) -> None:
 
 
 def _has_entries(path: str) -> bool:
+    """Does the directory hold anything (read no further than its first entry)?"""
     with os.scandir(path) as it:
         return next(it, None) is not None
 
