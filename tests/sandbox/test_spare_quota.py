@@ -239,3 +239,48 @@ def test_F1_F3_R2_a_quick_ensure_takes_a_spare_and_is_busy_without_one(
     b.ensure()  # not quick: it makes its image
     assert loop_backing_file(os.stat(b.chat).st_dev) == str(spared.image(AGENT, b.digest))
     spared.ensure(AGENT, b.digest, b.targets, OWNER, quick=True)  # in place: quick
+
+
+def _taken_whole(spared: SparedQuota, tmp_path: Path, name: str) -> None:
+    """A conversation took a spare: its image alone is mounted, once, at its mount dir,
+    and the spare's own mount and mount dir are gone."""
+    before = set(spare_mounts(spared))
+    c = conv(spared, tmp_path, name)
+    c.ensure()
+    mnt = spared.mount_dir(AGENT, c.digest)
+    dev = os.stat(mnt).st_dev
+    assert loop_backing_file(dev) == str(spared.image(AGENT, c.digest))
+    (gone,) = before - set(spare_mounts(spared))
+    assert not Path(gone).exists()
+    on_dev = [e.mount_point for e in mountinfo() if e.dev == dev]
+    assert sorted(on_dev) == sorted([str(mnt), *(str(t.path) for t in c.targets)])
+
+
+def test_F1_F3_R2_a_taken_spare_mount_is_moved_whole(
+    spared: SparedQuota, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A take moves the spare's mount in one call (F3): the conversation ends with its
+    image mounted once at its mount dir, the spare's own mount and dir gone."""
+    assert spared.refill(AGENT) == 2
+    _taken_whole(spared, tmp_path, "a")
+    assert "could not move" not in caplog.text  # taken as it was mounted, not mounted anew
+
+
+def test_F1_F3_R2_a_taken_spare_mount_is_moved_whole_under_a_shared_mount_too(
+    spared: SparedQuota, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Where the quota dir's mount is shared (a systemd host's `/` is), the kernel refuses
+    a move; the take binds, then detaches the spare's: the same end as a move."""
+    root = spared.root
+    root.mkdir(parents=True)
+    subprocess.run(["mount", "--bind", str(root), str(root)], check=True)
+    subprocess.run(["mount", "--make-shared", str(root)], check=True)
+    (root / "a").mkdir()
+    (root / "b").mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "tmpfs", str(root / "a")], check=True)
+    moved = subprocess.run(["mount", "--move", str(root / "a"), str(root / "b")], check=False)
+    assert moved.returncode != 0  # refused here: the take below binds
+    subprocess.run(["umount", str(root / "a")], check=True)
+    assert spared.refill(AGENT) == 2
+    _taken_whole(spared, tmp_path, "a")
+    assert "could not move" not in caplog.text  # taken as it was mounted, not mounted anew
