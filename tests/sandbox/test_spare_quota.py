@@ -259,8 +259,9 @@ def _taken_whole(spared: SparedQuota, tmp_path: Path, name: str) -> None:
 def test_F1_F3_R2_a_taken_spare_mount_is_moved_whole(
     spared: SparedQuota, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """A take moves the spare's mount in one call (F3): the conversation ends with its
-    image mounted once at its mount dir, the spare's own mount and dir gone."""
+    """A take hands the spare's mount over (a bind there, the spare's own detached): the
+    conversation ends with its image mounted once at its mount dir, the spare's own mount
+    and dir gone."""
     assert spared.refill(AGENT) == 2
     _taken_whole(spared, tmp_path, "a")
     assert "could not move" not in caplog.text  # taken as it was mounted, not mounted anew
@@ -269,8 +270,9 @@ def test_F1_F3_R2_a_taken_spare_mount_is_moved_whole(
 def test_F1_F3_R2_a_taken_spare_mount_is_moved_whole_under_a_shared_mount_too(
     spared: SparedQuota, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """Where the quota dir's mount is shared (a systemd host's `/` is), the kernel refuses
-    a move; the take binds, then detaches the spare's: the same end as a move."""
+    """Where the quota dir's mount is shared (a systemd host's `/` is; the kernel refuses
+    to move a mount there), a take ends the same: its image mounted once, the spare's
+    mount gone, and not mounted anew."""
     root = spared.root
     root.mkdir(parents=True)
     subprocess.run(["mount", "--bind", str(root), str(root)], check=True)
@@ -279,7 +281,7 @@ def test_F1_F3_R2_a_taken_spare_mount_is_moved_whole_under_a_shared_mount_too(
     (root / "b").mkdir()
     subprocess.run(["mount", "-t", "tmpfs", "tmpfs", str(root / "a")], check=True)
     moved = subprocess.run(["mount", "--move", str(root / "a"), str(root / "b")], check=False)
-    assert moved.returncode != 0  # refused here: the take below binds
+    assert moved.returncode != 0  # a shared parent indeed
     subprocess.run(["umount", str(root / "a")], check=True)
     assert spared.refill(AGENT) == 2
     _taken_whole(spared, tmp_path, "a")
