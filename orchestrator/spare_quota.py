@@ -38,7 +38,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from cellgate.errors import QuotaError
-from sandbox.mounts import MS_BIND, MountError, detach, mount
+from sandbox.mounts import MS_BIND, MS_MOVE, MountError, detach, mount
 from sandbox.quota import (
     MARKERS,
     LoopQuota,
@@ -171,16 +171,23 @@ class SparedQuota(LoopQuota):
 
     @staticmethod
     def _move_mount(spare_mnt: Path, mnt: Path) -> None:
-        """The taken spare's mount onto the conversation's mount dir, then detached from
-        the spare's own (no spare lists it any more: its image has the conversation's
-        name). On failure `LoopQuota.ensure` mounts the image itself."""
+        """The taken spare's mount moved onto the conversation's mount dir (no spare lists
+        it any more: its image has the conversation's name), keeping its flags.
+
+        One `MS_MOVE` (F3: an unmount costs the kernel far more); where the quota dir's
+        mount is shared, which refuses a move (EINVAL), a bind there, then the spare's
+        own detached. On failure `LoopQuota.ensure` mounts the image itself."""
         try:
             with contextlib.suppress(FileExistsError):
                 os.mkdir(mnt, 0o700)
-            mount(str(spare_mnt), str(mnt), MS_BIND)  # keeps the spare's flags
+            try:
+                mount(str(spare_mnt), str(mnt), MS_MOVE)
+            except MountError:
+                mount(str(spare_mnt), str(mnt), MS_BIND)
+                detach(str(spare_mnt))
         except (MountError, OSError) as exc:
             logger.warning("quota (R2): could not move a spare's mount: %s", exc)
-        detach(str(spare_mnt))
+            detach(str(spare_mnt))
         with contextlib.suppress(OSError):
             os.rmdir(spare_mnt)
 

@@ -60,11 +60,18 @@ def save_session_id(
     *,
     report: LeftOut | None = None,
 ) -> bool:
-    """Replace session.json atomically (a planted link is replaced, never written through)."""
+    """Replace session.json atomically (a planted link is replaced, never written through).
+
+    Without an fsync (F3: two per turn, each a journal commit of the conversation's
+    quota image, waited for on the turn lane): the harness session it names is in
+    files the harness writes inside the sandbox, which nothing syncs, and the
+    transcript is appended unsynced too. After a power cut a lost or torn session.json
+    reads as no id, and the next turn starts a fresh harness session from the
+    transcript (`recent_history`)."""
     doc = json.dumps({"session": session_id, "harness_session_id": harness_session_id}).encode()
     try:
         with SafeDir.open(chat_dir) as d:
-            d.write_atomic(SESSION, doc)
+            d.write_atomic(SESSION, doc, durable=False)
     except UnsafePath as exc:
         left_out(chat_dir.name, "session id", exc, report)
         return False

@@ -15,6 +15,16 @@ FULL also survives a power cut or kernel crash, because the WAL is fsynced
 at every commit. cellgate acknowledges an inbound event to the platform right
 after `accept_message` commits, and the platform will not send it again, so
 the commit must be on disk before that acknowledgement (D1).
+
+A write that nothing outside the process learns of before a durable write
+follows (a turn's start and finish, its sandbox's record) is committed with
+`write(durable=False)`: no fsync of its own (F3: on a busy host each is a
+wait, and a turn makes several). The WAL is append-only and a frame counts
+only after every frame before it, so the next durable commit's fsync (a
+reply recorded before it is sent, a delivery marked) or a checkpoint carries
+it to disk too. A power cut can lose only such writes, and what they record
+is redone by recovery (D2): a turn not shown started or finished runs again,
+as one open at the crash does.
 """
 
 from __future__ import annotations
@@ -148,10 +158,21 @@ class Database:
                     self._local = threading.local()
 
     @contextmanager
-    def write(self) -> Iterator[sqlite3.Connection]:
-        """One write transaction: `BEGIN IMMEDIATE`, COMMIT on success, ROLLBACK on error."""
+    def write(self, *, durable: bool = True) -> Iterator[sqlite3.Connection]:
+        """One write transaction: `BEGIN IMMEDIATE`, COMMIT on success, ROLLBACK on error.
+
+        `durable=False` commits without its own fsync (`synchronous=NORMAL` for this one
+        transaction), for a write nothing outside the process is told of before a
+        durable one follows; see the module's note on durability."""
         with self._using() as conn:
-            yield from self._write(conn)
+            if durable:
+                yield from self._write(conn)
+                return
+            conn.execute("PRAGMA synchronous = NORMAL")
+            try:
+                yield from self._write(conn)
+            finally:
+                conn.execute("PRAGMA synchronous = FULL")
 
     def _write(self, conn: sqlite3.Connection) -> Iterator[sqlite3.Connection]:
         try:

@@ -59,9 +59,13 @@ class ResourcesMixin(SessionsMixin):
         spec_hash: str,
         state: SandboxState = SandboxState.RUNNING,
     ) -> Sandbox:
-        """Insert or update a sandbox row; a changed spec hash counts as a new container."""
+        """Insert or update a sandbox row; a changed spec hash counts as a new container.
+
+        Committed without an fsync of its own: a power cut that loses it stops the
+        container too (no restart policy), and the reaper and the reconcile at start
+        work from the engine's list of containers, not from these rows (D2)."""
         now = self._now()
-        with self._db.write() as c:
+        with self._db.write(durable=False) as c:
             row = c.execute(
                 "INSERT INTO sandboxes (name, conversation_id, app, agent, spec_hash, state,"
                 " created_at, last_used_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?)"

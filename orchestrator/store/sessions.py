@@ -76,12 +76,15 @@ class SessionsMixin(MessagesMixin):
         harness_session_id: str | None = None,
         session_id: SessionId | None = None,
     ) -> Session:
-        """Start a LIVE session; its id is a fresh uuid unless the caller names one."""
+        """Start a LIVE session; its id is a fresh uuid unless the caller names one.
+
+        Committed without an fsync of its own (`Database.write(durable=False)`): a
+        session lost in a power cut is opened again by the turn recovery runs again."""
         sid = session_id or SessionId(uuid.uuid4().hex)
         if not SESSION_RE.fullmatch(sid):
             raise StoreError(f"session id {sid!r} is not a safe name ([A-Za-z0-9_-]{{1,64}})")
         now = self._now()
-        with self._db.write() as c:
+        with self._db.write(durable=False) as c:
             exists = c.execute("SELECT 1 FROM conversations WHERE id = ?", (conversation,))
             if exists.fetchone() is None:
                 raise NotFound("conversation", conversation)
@@ -196,10 +199,12 @@ class SessionsMixin(MessagesMixin):
     def start_turn(self, session_id: SessionId, message_id: MessageId | None = None) -> Turn:
         """Open a turn in a LIVE session; with a message, move it ACCEPTED -> RUNNING too.
 
-        A heartbeat turn (M4) has no message. Both writes are one transaction.
+        A heartbeat turn (M4) has no message. Both writes are one transaction, committed
+        without an fsync of its own: a start lost in a power cut leaves the message
+        ACCEPTED, and recovery runs it again as it does a turn the crash cut short (D2).
         """
         now = self._now()
-        with self._db.write() as c:
+        with self._db.write(durable=False) as c:
             session = self._session_row(c, session_id)
             if session.state is not SessionState.LIVE:
                 raise StoreError(f"session {session_id} has ended; open a new one for this turn")
@@ -221,9 +226,13 @@ class SessionsMixin(MessagesMixin):
         return _turn(row)
 
     def finish_turn(self, turn_id: TurnId, *, ok: bool, harness_turn_id: str | None = None) -> Turn:
-        """Close an open turn; raises `StateConflict` if it was already closed."""
+        """Close an open turn; raises `StateConflict` if it was already closed.
+
+        Committed without an fsync of its own: the reply recorded next (durable, before
+        it is sent) carries it to disk; lost in a power cut before that, the turn runs
+        again at recovery (D2)."""
         now = self._now()
-        with self._db.write() as c:
+        with self._db.write(durable=False) as c:
             row = c.execute(
                 "UPDATE turns SET ok = ?, harness_turn_id = coalesce(?, harness_turn_id),"
                 " finished_at = ? WHERE id = ? AND finished_at IS NULL RETURNING *",

@@ -342,6 +342,27 @@ def test_atomic_write_leaves_no_temp_file(tree: Tree) -> None:
     assert (tree.base / "session.json").read_bytes() == b'{"a": 1}'
 
 
+def test_D3_F3_session_id_is_replaced_whole_without_an_fsync(
+    tree: Tree, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """session.json names a harness session whose own files nothing syncs: it is written
+    without the two fsyncs (file and directory) a durable write waits for, still whole
+    and atomic (a temp file renamed over it), and a torn or missing one reads as no id."""
+    synced: list[int] = []
+    real = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(fd), real(fd))[1])
+    assert save_session_id(tree.base, "s1", "h1")
+    assert save_session_id(tree.base, "s1", "h2")
+    assert synced == []
+    assert load_session_id(tree.base) == "h2"
+    assert [p.name for p in tree.base.iterdir()] == ["session.json"]
+    (tree.base / "session.json").write_bytes(b'{"session": "s1", "harn')  # torn
+    assert load_session_id(tree.base) is None
+    with SafeDir.open(tree.base) as d:
+        d.write_atomic("other.json", b"{}")  # a durable write still syncs both
+    assert len(synced) == 2
+
+
 def test_mkdirs_never_walks_through_a_link(tree: Tree) -> None:
     (tree.base / "m").symlink_to(tree.outside, target_is_directory=True)
     with SafeDir.open(tree.base) as d:

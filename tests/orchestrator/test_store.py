@@ -11,7 +11,7 @@ import subprocess
 import sys
 import textwrap
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -84,6 +84,56 @@ def test_D1_database_is_wal_with_full_sync_and_foreign_keys(store: Store) -> Non
     assert c.execute("PRAGMA synchronous").fetchone()[0] == 2  # FULL
     assert c.execute("PRAGMA foreign_keys").fetchone()[0] == 1
     assert c.execute("PRAGMA busy_timeout").fetchone()[0] >= 1000
+
+
+def _syncs(store: Store, write: Callable[[], object]) -> list[int]:
+    """The `synchronous` level each COMMIT of `write` ran under (2 FULL, 1 NORMAL)."""
+    conn = store._db.connection()
+    levels: list[int] = []
+    level = [2]
+
+    def seen(sql: str) -> None:
+        if sql.startswith("PRAGMA synchronous = "):
+            level[0] = {"FULL": 2, "NORMAL": 1}[sql.rsplit(" ", 1)[1]]
+        elif sql == "COMMIT":
+            levels.append(level[0])
+
+    conn.set_trace_callback(seen)
+    try:
+        write()
+    finally:
+        conn.set_trace_callback(None)
+    assert conn.execute("PRAGMA synchronous").fetchone()[0] == 2  # FULL again after
+    return levels
+
+
+def test_D1_D2_F3_writes_told_outside_are_fsynced_and_a_turns_own_are_not(
+    store: Store, conv: Conversation
+) -> None:
+    """What the platform or the chat learns of is on disk first: an accepted message
+    (acknowledged), a reply (sent), a delivery. A turn's start, finish and sandbox record
+    commit without their own fsync (F3); the next of those carries them to disk."""
+    msg, _ = store.accept_message(conv.id, "m1", sender="u", text="hi")
+    assert _syncs(store, lambda: store.accept_message(conv.id, "m2", sender="u", text="x")) == [2]
+    new = ConversationKey("bot", "telegram", "-1002")
+    assert _syncs(store, lambda: store.accept_new(new, "m1", sender="u", text="x")) == [2]
+    session = store.open_session(conv.id, "shell")
+    turn = store.start_turn(session.id, msg.id)
+    assert _syncs(store, lambda: store.open_session(conv.id, "shell")) == [1]
+    m3, _ = store.accept_message(conv.id, "m3", sender="u", text="hi")
+    assert _syncs(store, lambda: store.start_turn(session.id, m3.id)) == [1]
+    assert _syncs(store, lambda: store.finish_turn(turn.id, ok=True)) == [1]
+    assert _syncs(
+        store,
+        lambda: store.record_sandbox(
+            "sb", conversation=conv.id, app="app", agent="bot", spec_hash="h"
+        ),
+    ) == [1]
+    assert _syncs(store, lambda: store.record_reply(msg.id, "out:1", "answer")) == [2]
+    assert _syncs(store, lambda: store.mark_delivered("out:1")) == [2]
+    with pytest.raises(StateConflict):
+        store.finish_turn(turn.id, ok=True)
+    assert store._db.connection().execute("PRAGMA synchronous").fetchone()[0] == 2  # FULL
 
 
 def test_D1_database_file_is_private(store: Store) -> None:
