@@ -8,6 +8,8 @@
   the run fails if any test (or a gateway under test) removed one.
 - Every quota image a test's gateway mounted (R2) under the test's tmp dirs is
   unmounted after it, and whatever is left under this session's tmp root at the end.
+- The app images this run's gateways built (tagged `cellgate-app-<app>:<version>-<id>`,
+  the id this run's or one derived from it) are removed at the end; no other image is.
 """
 
 from __future__ import annotations
@@ -206,3 +208,43 @@ def _foreign_sandboxes_survive() -> Iterator[None]:
                 " gateway under test, or an unscoped process on the same engine):"
                 f" {', '.join(gone)}"
             )
+
+
+def _run_image_tags(client: Any, run_id: str) -> list[str]:
+    """This run's gateways' app image tags: the gateway id is the run's, or the run's
+    with a suffix (a second gateway of the same test)."""
+    import re
+
+    from orchestrator.apps import BUILT_PREFIX
+
+    own = re.compile(rf"{re.escape(BUILT_PREFIX)}[^:]+:[^:]*-{re.escape(run_id)}(-[A-Za-z0-9-]+)?")
+    tags = []
+    for image in client.api.images(name=f"{BUILT_PREFIX}*"):
+        tags += [t for t in image.get("RepoTags") or () if own.fullmatch(t)]
+    return tags
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _run_images_removed() -> Iterator[None]:
+    """Every app image a gateway of this run built is removed after the session (a run
+    leaves no image behind on a machine that keeps its engine); an image still used by
+    a container (another test's leak, which its own checks report) stays."""
+    yield
+    import docker
+    import docker.errors
+
+    from tests.support.run_id import RUN_ID
+
+    try:
+        client = docker.from_env()
+        client.ping()
+    except Exception:
+        return
+    try:
+        for tag in _run_image_tags(client, RUN_ID):
+            try:
+                client.api.remove_image(tag)
+            except docker.errors.APIError as exc:
+                warnings.warn(f"image {tag} left in place: {exc.explanation}", stacklevel=1)
+    finally:
+        client.close()
