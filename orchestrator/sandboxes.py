@@ -22,7 +22,7 @@ from cellgate.models import ConversationKey
 from orchestrator.apps import InstalledApp
 from orchestrator.config import GatewaySettings
 from orchestrator.conversations import ConversationPaths, conversation_paths, ensure_conversation
-from orchestrator.lane import in_lane
+from orchestrator.lane import in_host_lane
 from orchestrator.placement import Placement
 from orchestrator.store.messages import conversation_id
 from policies.secrets import env_entry
@@ -193,11 +193,12 @@ class ConversationSandboxes:
                 gateway=self.gateway_id,
             )
 
-        # on the turn lane, quick: anything that may take long (a quota image to make or
-        # mount, its lock held, data to move in) is `Busy` there and done on the default
-        # executor, so that it never queues every turn of the gateway behind it (F3)
+        # on the host lane (orchestrator.lane), quick: anything that may take long (a quota
+        # image to make or mount, its lock held, data to move in) is `Busy` there and done
+        # on the default executor, so that it never queues every new conversation behind it
+        # (F3)
         try:
-            return await in_lane(prepare, True), paths
+            return await in_host_lane(prepare, True), paths
         except Busy:
             return await asyncio.to_thread(prepare, False), paths
 

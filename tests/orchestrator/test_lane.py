@@ -21,7 +21,7 @@ import pytest
 
 from orchestrator.config import load_config, write_config_document
 from orchestrator.gateway import Gateway
-from orchestrator.lane import THREAD_NAME, in_lane
+from orchestrator.lane import HOST_THREAD_NAME, THREAD_NAME, in_host_lane, in_lane
 from tests.e2e.conftest import SUITE_ADMISSION
 from tests.fakes.no_engine import NoEngineBackend
 from tests.support.run_id import seed_gateway_id
@@ -46,6 +46,30 @@ async def test_F3_lane_is_one_thread_in_order_with_the_callers_context() -> None
     assert {who for _, who, *_ in seen} == {"caller"}
     spans = sorted((t0, t1) for *_, t0, t1 in seen)
     assert all(a[1] <= b[0] for a, b in itertools.pairwise(spans))  # one at a time
+
+
+async def test_F3_host_lane_is_its_own_thread_beside_the_turn_lane() -> None:
+    """A conversation's sandbox host side held up (a slow mount) does not hold up the
+    turn lane: another turn's store writes and files go on."""
+    held, started = threading.Event(), threading.Event()
+
+    def host_job() -> str:
+        started.set()
+        held.wait(10)
+        return threading.current_thread().name
+
+    WHO.set("caller")
+    host = asyncio.ensure_future(in_host_lane(host_job))
+    try:
+        assert await asyncio.to_thread(started.wait, 5)
+        name, who = await asyncio.wait_for(
+            in_lane(lambda: (threading.current_thread().name, WHO.get())), 5
+        )
+        assert name.rsplit("_", 1)[0] == THREAD_NAME and who == "caller"
+        assert not host.done()
+    finally:
+        held.set()
+    assert (await host).rsplit("_", 1)[0] == HOST_THREAD_NAME
 
 
 @pytest.fixture
