@@ -7,7 +7,8 @@ already mounted at its `spare-<random>.mnt` with the quota's flags. A spare
 is made under a pending name and only named `spare-*` once it is mounted, so
 a spare image is always a mounted one (until a reboot: then the next refill
 mounts it again). A conversation without an image yet takes a spare, under
-the agent's spares lock (two claims never share one): the image is renamed
+the agent's spares lock (two claims never share one; `_adopt`, under the
+conversation's lock in `LoopQuota.ensure`): the image is renamed
 into place (the loop device follows the rename); then, under the conversation's
 lock alone, its mount is bound onto the conversation's `<digest>.mnt` and the
 spare mount detached (a few milliseconds each in a burst, so never under the
@@ -34,7 +35,7 @@ import secrets
 import threading
 import time
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from pathlib import Path
 
 from cellgate.errors import QuotaError
@@ -42,7 +43,6 @@ from sandbox.mounts import MS_BIND, MS_MOVE, MountError, detach, mount
 from sandbox.quota import (
     MARKERS,
     LoopQuota,
-    QuotaTarget,
     keep_spare_inodes,
     locked,
     loop_backing_file,
@@ -89,29 +89,18 @@ class SparedQuota(LoopQuota):
         self._known: dict[str, deque[str]] = {}  # agent -> spare names, oldest first
         self._known_lock = threading.Lock()
 
-    def ensure(
-        self,
-        agent: str,
-        digest: str,
-        targets: Sequence[QuotaTarget],
-        owner: tuple[int, int] | None,
-        *,
-        quick: bool = False,
-    ) -> None:
+    def _adopt(self, agent: str, digest: str, wait: float | None) -> bool:
+        """Under the conversation's lock (`LoopQuota.ensure`), the spares' lock while a
+        spare is renamed into place: no image of its own can appear meanwhile, and no
+        other claim, refill or release sees that spare again. Its mount moves under the
+        conversation's lock alone (the kernel's mount work, milliseconds under a burst,
+        is not serialized across the agent's claims, F3)."""
         agent_dir = self.agent_dir(agent, digest)
-        wait = 0 if quick else None  # quick: a held lock is `Busy` at once
-        if not self.image(agent, digest).exists():
-            # the conversation's own lock (as LoopQuota's), then the spares' while one is
-            # renamed into place: no image of its own can appear meanwhile, and no other
-            # claim, refill or release sees that spare again. Its mount moves under the
-            # conversation's lock alone (a bind and a detach: the kernel's mount work,
-            # milliseconds under a burst, is not serialized across the agent's claims, F3).
-            with locked(agent_dir / f"{digest}.lock", timeout=wait):
-                with locked(agent_dir / LOCK, timeout=wait):
-                    taken = self._take_spare(agent, digest)
-                if taken is not None:
-                    self._move_mount(taken, self.mount_dir(agent, digest))
-        super().ensure(agent, digest, targets, owner, quick=quick)
+        with locked(agent_dir / LOCK, timeout=wait):
+            taken = self._take_spare(agent, digest)
+        if taken is not None:
+            self._move_mount(taken, self.mount_dir(agent, digest))
+        return self.image(agent, digest).exists()
 
     def spares(self, agent: str) -> int:
         """How many spares are ready for `agent`."""

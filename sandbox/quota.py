@@ -449,25 +449,38 @@ def _migrate(target: QuotaTarget, sub: Path, limits: QuotaLimits) -> None:
 # -- the per-conversation quota ----------------------------------------------
 
 
-def _mkdirs_nofollow(base: Path, target: Path, mode: int = 0o755) -> None:
-    """`target` and the directories between `base` and it, none of them a link (on
-    strings: three per new conversation's first turn, F3)."""
+def _relative(base: Path, target: Path) -> str:
+    """`target`'s path below `base`, checked to be plain names ("" for `base` itself)."""
     current, rel = str(base), str(target)
-    if rel != current:
-        prefix = current.rstrip("/") + "/"
-        if not rel.startswith(prefix):
-            raise QuotaError(f"{target} is not inside {base}")
-        rel = rel[len(prefix) :]
-    else:
-        rel = ""
+    if rel == current:
+        return ""
+    prefix = current.rstrip("/") + "/"
+    if not rel.startswith(prefix):
+        raise QuotaError(f"{target} is not inside {base}")
+    rel = rel[len(prefix) :]
+    if any(part in ("", ".", "..") for part in rel.split("/")):
+        raise QuotaError(f"{target} is not a plain path inside {base}")
+    return rel
+
+
+def _mkdirs_nofollow(base: Path, target: Path, mode: int = 0o755) -> bool:
+    """`target` and the directories between `base` and it, none of them a link (on
+    strings: three per new conversation's first turn, F3); whether `target` was made
+    now (then it is empty). A name that existed is checked to be a directory, not a
+    link; one made here is one (`mkdir` never follows a link at the last name)."""
+    current, rel = str(base).rstrip("/"), _relative(base, target)
+    made = False
     for part in rel.split("/") if rel else ():
-        if part in ("", ".", ".."):
-            raise QuotaError(f"{target} is not a plain path inside {base}")
-        current = f"{current.rstrip('/')}/{part}"
-        with contextlib.suppress(FileExistsError):
+        current = f"{current}/{part}"
+        try:
             os.mkdir(current, mode)
+            made = True
+            continue
+        except FileExistsError:
+            made = False
         if not stat.S_ISDIR(os.lstat(current).st_mode):
             raise QuotaError(f"{current} exists and is not a directory (symlinks are refused)")
+    return made
 
 
 def _has_entries(path: str) -> bool:
@@ -563,6 +576,8 @@ class LoopQuota:
     def __init__(self, root: Path, limits: QuotaLimits) -> None:
         self.root = Path(os.path.realpath(root))
         self.limits = limits
+        self._agent_dirs: set[str] = set()  # agents whose dir was made and checked
+        self._real: dict[Path, str] = {}  # a target base -> its real path (the app's dirs)
 
     def image(self, agent: str, digest: str) -> Path:
         return self.root / agent / f"{digest}.img"
@@ -588,13 +603,18 @@ class LoopQuota:
         that is not quick finishes it."""
         agent_dir = self.agent_dir(agent, digest)
         image, mnt = self.image(agent, digest), self.mount_dir(agent, digest)
-        with locked(agent_dir / f"{digest}.lock", timeout=0 if quick else None):
-            fresh = not image.exists()
-            if quick and (fresh or self._mounted_dev(image, mnt) is None):
-                raise Busy(f"{image.name} is to be made or mounted")
-            if fresh:
-                make_image(image, self.limits)
-            dev = self._mount(image, mnt, fresh=fresh)
+        wait = 0 if quick else None  # quick: a held lock is `Busy` at once
+        with locked(agent_dir / f"{digest}.lock", timeout=wait):
+            fresh = not image.exists() and not self._adopt(agent, digest, wait)
+            dev = None if fresh else self._mounted_dev(image, mnt)
+            if dev is None:
+                if quick:
+                    raise Busy(f"{image.name} is to be made or mounted")
+                if fresh:
+                    make_image(image, self.limits)
+                dev = self._mount(image, mnt, fresh=fresh)
+            elif flags_of(str(mnt)) != self.limits.ms_flags():
+                _remount(str(mnt), self.limits)
             markers = mnt / MARKERS
             with contextlib.suppress(FileExistsError):
                 os.mkdir(markers, 0o700)
@@ -602,6 +622,12 @@ class LoopQuota:
             for t in targets:
                 self._bind(t, mnt, markers, dev, owner, quick)
             os.utime(agent_dir / f"{digest}.lock")  # used now (see `mounted`)
+
+    def _adopt(self, agent: str, digest: str, wait: float | None) -> bool:
+        """A conversation without an image yet, under its lock: give it one made ahead
+        (and mounted at its mount dir) instead of a new one; whether it has one now.
+        None here (`orchestrator.spare_quota.SparedQuota` keeps spares)."""
+        return False
 
     @contextlib.contextmanager
     def held(self, agent: str, digest: str, targets: Sequence[QuotaTarget]) -> Iterator[bool]:
@@ -742,12 +768,17 @@ class LoopQuota:
         if not re.fullmatch(r"[a-z0-9][a-z0-9-]{0,39}", agent) or not digest.isalnum():
             raise QuotaError(f"unusable quota name {agent!r}/{digest!r}")
         agent_dir = self.root / agent
+        if agent in self._agent_dirs:  # made and checked before: is it still there?
+            with contextlib.suppress(FileNotFoundError):
+                if stat.S_ISDIR(os.lstat(agent_dir).st_mode):
+                    return agent_dir
         self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
         for d in (self.root, agent_dir):
             with contextlib.suppress(FileExistsError):
                 os.mkdir(d, 0o700)
             if not stat.S_ISDIR(os.lstat(d).st_mode):
                 raise QuotaError(f"{d} is not a directory")
+        self._agent_dirs.add(agent)
         return agent_dir
 
     def _mount(self, image: Path, mnt: Path, *, fresh: bool = False) -> int:
@@ -783,8 +814,15 @@ class LoopQuota:
         _mkdirs_nofollow(mnt, sub)
         if owner is not None and os.geteuid() == 0:
             os.chown(sub, owner[0], owner[1], follow_symlinks=False)
-        _mkdirs_nofollow(t.base, t.path)
-        host = os.path.realpath(t.path)
+        made = _mkdirs_nofollow(t.base, t.path)
+        # no name below the base is a link (checked above): the base's real path and the rest
+        rel = _relative(t.base, t.path)
+        real = self._real.get(t.base)
+        if real is None:
+            real = self._real[t.base] = os.path.realpath(t.base)
+            if len(self._real) > 64:  # a few per app: bounded all the same
+                self._real.pop(next(iter(self._real)), None)
+        host = real + (f"/{rel}" if rel else "")
         have, want = os.lstat(host), os.lstat(sub)
         if (have.st_dev, have.st_ino) == (want.st_dev, want.st_ino):
             # the image's own inode on another device's path: only a bind of it shows that
@@ -804,9 +842,10 @@ class LoopQuota:
             )
         marker = markers / f"migrated-{t.name.replace('/', '-')}"
         if not marker.exists():
-            if quick and _has_entries(host):
-                raise Busy(f"{host} has data to move into the image")
-            _migrate(QuotaTarget(t.name, t.base, Path(host)), sub, self.limits)
+            if not made:  # a dir made just now holds nothing to move in
+                if quick and _has_entries(host):
+                    raise Busy(f"{host} has data to move into the image")
+                _migrate(QuotaTarget(t.name, t.base, Path(host)), sub, self.limits)
             marker.touch(0o600)
         fd = os.open(sub, os.O_PATH | os.O_NOFOLLOW | os.O_DIRECTORY | os.O_CLOEXEC)
         try:

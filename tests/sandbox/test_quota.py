@@ -10,6 +10,8 @@ import contextlib
 import errno
 import logging
 import os
+import shutil
+import stat
 import subprocess
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -197,6 +199,22 @@ def test_r2_after_an_unmount_ensure_mounts_again_and_the_data_is_there(
     assert (c.chat / "MEMORY.md").read_text() == "remember me"
     assert len(entries_at(c.chat)) == 1
     assert len(entries_at(quota.mount_dir("agent-q", c.digest))) == 1
+
+
+def test_R2_an_agent_dir_removed_while_running_is_made_again(
+    quota: LoopQuota, tmp_path: Path
+) -> None:
+    """The agent's dir is checked once and then remembered (F3); removed meanwhile (its
+    app uninstalled and installed again in the same process), the next ensure makes it
+    again instead of failing on a missing lock."""
+    a = conv(quota, tmp_path, "a")
+    a.ensure()
+    release_all(tmp_path)
+    shutil.rmtree(quota.root / "agent-q")
+    b = conv(quota, tmp_path, "b")
+    b.ensure()
+    assert len(entries_at(b.chat)) == 1
+    assert stat.S_IMODE(os.lstat(quota.root / "agent-q").st_mode) == 0o700
 
 
 def test_F3_R2_a_quick_ensure_is_busy_for_anything_slow_and_does_it_not(
