@@ -239,6 +239,13 @@ def _run_images_removed() -> Iterator[None]:
         client = docker.from_env()
         client.ping()
     except Exception:
+        client = None
+    if client is None:
+        # no engine: the SDK's failed connection is left for the collector (as above),
+        # out of the `except` (its traceback holds the socket)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", ResourceWarning)
+            gc.collect()
         return
     try:
         for tag in _run_image_tags(client, RUN_ID):
