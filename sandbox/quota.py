@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import logging
 import os
 import re
@@ -483,6 +484,13 @@ def _mkdirs_nofollow(base: Path, target: Path, mode: int = 0o755) -> bool:
     return made
 
 
+@functools.lru_cache(maxsize=64)
+def _real_path(base: Path) -> str:
+    """A target base's real path (an app's workspace or agent root: a few per app),
+    resolved once rather than a `lstat` per name at every conversation's first turn."""
+    return os.path.realpath(base)
+
+
 def _has_entries(path: str) -> bool:
     """Does the directory hold anything (read no further than its first entry)?"""
     with os.scandir(path) as it:
@@ -577,7 +585,6 @@ class LoopQuota:
         self.root = Path(os.path.realpath(root))
         self.limits = limits
         self._agent_dirs: set[str] = set()  # agents whose dir was made and checked
-        self._real: dict[Path, str] = {}  # a target base -> its real path (the app's dirs)
 
     def image(self, agent: str, digest: str) -> Path:
         return self.root / agent / f"{digest}.img"
@@ -817,12 +824,7 @@ class LoopQuota:
         made = _mkdirs_nofollow(t.base, t.path)
         # no name below the base is a link (checked above): the base's real path and the rest
         rel = _relative(t.base, t.path)
-        real = self._real.get(t.base)
-        if real is None:
-            real = self._real[t.base] = os.path.realpath(t.base)
-            if len(self._real) > 64:  # a few per app: bounded all the same
-                self._real.pop(next(iter(self._real)), None)
-        host = real + (f"/{rel}" if rel else "")
+        host = _real_path(t.base) + (f"/{rel}" if rel else "")
         have, want = os.lstat(host), os.lstat(sub)
         if (have.st_dev, have.st_ino) == (want.st_dev, want.st_ino):
             # the image's own inode on another device's path: only a bind of it shows that

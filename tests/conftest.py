@@ -163,11 +163,11 @@ def _start_foreign(client: Any, image: str, gateway: str) -> dict[str, str]:
     return made
 
 
-@pytest.fixture(autouse=True, scope="session")
-def _foreign_sandboxes_survive() -> Iterator[None]:
-    """R1: another gateway's sandboxes on this engine are never touched by the suite."""
+def _engine_or_none() -> Any:
+    """A client of the engine that answers, or None. With no engine, the SDK's failed
+    connection is collected here, out of the `except` (its traceback holds the socket),
+    so no unrelated test (or the run's exit) fails on its ResourceWarning later."""
     import docker
-    import docker.errors
 
     try:
         client = docker.from_env()
@@ -175,11 +175,20 @@ def _foreign_sandboxes_survive() -> Iterator[None]:
     except Exception:
         client = None
     if client is None:
-        # no engine: the SDK's failed connection is left for the collector; closed
-        # here, so no unrelated test is failed by its ResourceWarning later
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", ResourceWarning)
             gc.collect()
+    return client
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _foreign_sandboxes_survive() -> Iterator[None]:
+    """R1: another gateway's sandboxes on this engine are never touched by the suite."""
+    import docker
+    import docker.errors
+
+    client = _engine_or_none()
+    if client is None:
         yield
         return
     image = os.environ.get("CELLGATE_BASE_IMAGE", "cellgate-base:bookworm")
@@ -235,17 +244,8 @@ def _run_images_removed() -> Iterator[None]:
 
     from tests.support.run_id import RUN_ID
 
-    try:
-        client = docker.from_env()
-        client.ping()
-    except Exception:
-        client = None
+    client = _engine_or_none()
     if client is None:
-        # no engine: the SDK's failed connection is left for the collector (as above),
-        # out of the `except` (its traceback holds the socket)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", ResourceWarning)
-            gc.collect()
         return
     try:
         for tag in _run_image_tags(client, RUN_ID):
