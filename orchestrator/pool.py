@@ -283,8 +283,12 @@ class WarmPool:
 
     # -- filling -------------------------------------------------------------
 
-    async def fill(self) -> int:
-        """Bring the pool up to `size` ready (within `max` and the gateway's cap); how many made."""
+    async def fill(self, *, after_claims: bool = False) -> int:
+        """Bring the pool up to `size` ready (within `max` and the gateway's cap); how many made.
+
+        `after_claims` (the background task): a claim that came in while this got ready
+        (past `_quiet`, before its first sandbox) makes it none now; its first turn goes
+        first and the task comes back once it is over (F3)."""
         if self.refusal is not None or self.stopped:
             return 0
         if self._template is None:
@@ -304,6 +308,8 @@ class WarmPool:
                 room += 1
             want = min(want, room)
         want = min(want, REFILL_BATCH)  # a refill never crowds out the turns of a burst (F3)
+        if after_claims and (self._claiming or self._unsettled):
+            return 0
         made = await asyncio.gather(*(self._make(self._template) for _ in range(max(0, want))))
         await self._refill_quota()
         return sum(made)
@@ -438,7 +444,7 @@ class WarmPool:
                 await self._quiet()
                 try:
                     await self.sweep()
-                    if await self.fill():
+                    if await self.fill(after_claims=True):
                         self.wake.set()  # made some: go on with the next batch
                 except CellgateError as exc:
                     logger.warning("warm pool of %s: %s", self.sandboxes.app.agent, exc)
