@@ -39,6 +39,12 @@ class GatewayOutbox:
             raise BridgeError("chat_blocked", "this chat has blocked the bot") from exc
 
 
+def read_from_store(conv: Conversation) -> bool:
+    """Whether the conversation's caller reads its replies from the store (the `api`
+    channel): storing a reply delivers it."""
+    return conv.channel == "api"
+
+
 class ReplyDelivery:
     """Sends a stored reply into its chat on the conversation's channel."""
 
@@ -46,7 +52,7 @@ class ReplyDelivery:
         self._channels = channels
 
     async def __call__(self, conv: Conversation, reply: Reply) -> None:
-        if conv.channel == "api":
+        if read_from_store(conv):
             return  # the API caller reads the stored reply
         channel = self._channels.get((conv.agent, conv.channel))
         if channel is None:

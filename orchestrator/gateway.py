@@ -43,7 +43,7 @@ from orchestrator.channel_hub import ChannelInbox, ChannelKey, build_channels
 from orchestrator.config import GatewayConfig
 from orchestrator.cron import CronJobs, CronScheduler
 from orchestrator.cron.agents import agent_facts, agent_workdir
-from orchestrator.delivery import GatewayOutbox, ReplyDelivery
+from orchestrator.delivery import GatewayOutbox, ReplyDelivery, read_from_store
 from orchestrator.harnesses.base import TurnResult
 from orchestrator.heartbeats import Heartbeats
 from orchestrator.intake import Intake
@@ -112,6 +112,7 @@ class Gateway:
             self.metrics.turn(self._turn),
             self.metrics.delivery(ReplyDelivery(self.channels)),
             bound=bound,
+            delivered_by_store=read_from_store,
             per_sender=settings.admission.turns_per_sender or max(1, bound // 2),
             turn_timeout=settings.turn_timeout_seconds + 60,
         )

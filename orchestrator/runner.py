@@ -42,7 +42,7 @@ from orchestrator.placement import Placement
 from orchestrator.resident import ResidentBackend
 from orchestrator.safefs import audit_left_out
 from orchestrator.sandboxes import ConversationSandboxes
-from orchestrator.store import Conversation, ConversationId, Message, MessageId, SessionId, Turn
+from orchestrator.store import Conversation, ConversationId, Message, MessageId, SessionId
 from orchestrator.store.views import SandboxStore
 from orchestrator.transcripts import (
     append_transcript,
@@ -138,11 +138,10 @@ class TurnRunner:
         """The turn loop's turn function: answer one stored message."""
         rt = self.agents.runnable(conv.agent)
 
-        def begin() -> tuple[SessionId, Turn]:  # one worker-thread hop (F3)
-            session_id = self._session(conv.id, rt.config.harness.type)
-            return session_id, self.store.start_turn(session_id, message.id)
-
-        session_id, turn = await in_lane(begin)
+        session, turn = await in_lane(
+            self.store.begin_turn, conv.id, rt.config.harness.type, message.id
+        )
+        session_id = session.id
         ok = False
         harness_turn: str | None = None
         sandbox: list[str] = []

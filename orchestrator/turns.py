@@ -89,6 +89,7 @@ class TurnLoop:
         deliver: Deliver,
         *,
         bound: int,
+        delivered_by_store: Callable[[Conversation], bool] = lambda conv: False,
         per_sender: int | None = None,
         turn_timeout: float | None = None,
         retry_pause: float = FIRST_RETRY_SECONDS,
@@ -96,6 +97,7 @@ class TurnLoop:
         self.store = store
         self._run_turn = run_turn
         self._deliver = deliver
+        self._by_store = delivered_by_store  # its caller reads the stored reply (`api`)
         self.slots = FairSlots(bound, per_sender)
         self._turn_timeout = turn_timeout
         self._retry_pause = retry_pause
@@ -225,6 +227,7 @@ class TurnLoop:
                 error="conversation missing",
             )
             return True
+        by_store = False
         if existing is not None:
             reply = existing
         else:
@@ -242,10 +245,14 @@ class TurnLoop:
             if self._engine_down:
                 self._engine_down = False
                 logger.info("the sandbox engine answers again; turns go on")
-            reply = await in_lane(self._record, message.id, answer.text)
+            # a reply its caller reads from the store is delivered as it is stored (F3: one
+            # commit, not two); the delivery below only counts it
+            by_store = self._by_store(conv)
+            reply = await in_lane(self._record, message.id, answer.text, by_store)
         self._engine_attempts.pop(message.id)
         self._resolve(message.id, reply)
-        if reply.delivered_at is None and not await self._try_deliver(conv, message, reply):
+        undelivered = by_store or reply.delivered_at is None
+        if undelivered and not await self._try_deliver(conv, message, reply):
             return False
         self._attempts.pop(message.id)
         return True
@@ -274,17 +281,18 @@ class TurnLoop:
         )
         self._retry_later(conv.id, pause)
 
-    def _record(self, message_id: MessageId, text: str) -> Reply:
-        """Record the answer; a turn that failed before it started (the message still
-        ACCEPTED, e.g. its agent is unavailable) is answered all the same."""
+    def _record(self, message_id: MessageId, text: str, delivered: bool = False) -> Reply:
+        """Record the answer (`delivered`: see `Store.record_reply`); a turn that failed
+        before it started (the message still ACCEPTED, e.g. its agent is unavailable) is
+        answered all the same."""
         key = outbound_key(message_id)
         try:
-            reply, _ = self.store.record_reply(message_id, key, text)
+            reply, _ = self.store.record_reply(message_id, key, text, delivered=delivered)
         except StateConflict as exc:
             if exc.actual != MessageState.ACCEPTED.value:
                 raise
             self.store.transition(message_id, MessageState.ACCEPTED, MessageState.RUNNING)
-            reply, _ = self.store.record_reply(message_id, key, text)
+            reply, _ = self.store.record_reply(message_id, key, text, delivered=delivered)
         return reply
 
     def _resolve(self, message_id: MessageId, reply: Reply) -> None:
@@ -327,6 +335,8 @@ class TurnLoop:
             )
             self._retry_later(conv.id, pause)
             return False
+        if reply.delivered_at is not None:
+            return True  # delivered as it was stored
         try:
             await in_lane(self.store.mark_delivered, reply.outbound_key)
         except StateConflict:

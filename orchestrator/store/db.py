@@ -84,6 +84,7 @@ class Database:
             raise StoreError(f"the state database {self.path} is closed")
         conn = self._open()
         self._local.conn = conn
+        self._local.durable = True  # its `synchronous` level: FULL
         me = threading.current_thread()
         with self._lock:
             self._reap_dead_threads()
@@ -161,18 +162,20 @@ class Database:
     def write(self, *, durable: bool = True) -> Iterator[sqlite3.Connection]:
         """One write transaction: `BEGIN IMMEDIATE`, COMMIT on success, ROLLBACK on error.
 
-        `durable=False` commits without its own fsync (`synchronous=NORMAL` for this one
-        transaction), for a write nothing outside the process is told of before a
-        durable one follows; see the module's note on durability."""
+        `durable=False` commits without its own fsync (`synchronous=NORMAL`, until the
+        thread's next durable write sets FULL again), for a write nothing outside the
+        process is told of before a durable one follows; see the module's note on
+        durability."""
         with self._using() as conn:
-            if durable:
-                yield from self._write(conn)
-                return
-            conn.execute("PRAGMA synchronous = NORMAL")
-            try:
-                yield from self._write(conn)
-            finally:
-                conn.execute("PRAGMA synchronous = FULL")
+            # the level is set only when it changes (F3: each statement is a wait for the
+            # interpreter lock on a busy turn lane); every write of the thread comes here
+            if self._local.durable != durable:
+                try:
+                    conn.execute(f"PRAGMA synchronous = {'FULL' if durable else 'NORMAL'}")
+                except sqlite3.Error as exc:
+                    raise self._failed("starting a write on", exc) from exc
+                self._local.durable = durable
+            yield from self._write(conn)
 
     def _write(self, conn: sqlite3.Connection) -> Iterator[sqlite3.Connection]:
         try:
@@ -195,6 +198,16 @@ class Database:
             if conn.in_transaction:
                 conn.execute("ROLLBACK")
             raise self._failed("a commit to", exc) from exc
+
+    def query(self, sql: str, params: tuple[object, ...] = ()) -> list[sqlite3.Row]:
+        """The rows of one statement, which reads one snapshot by itself (F3: no BEGIN and
+        COMMIT around it, two statements fewer than `read`)."""
+        with self._using() as conn:
+            try:
+                rows: list[sqlite3.Row] = conn.execute(sql, params).fetchall()
+            except sqlite3.Error as exc:
+                raise StoreError(f"read from {self.path} failed: {exc}") from exc
+        return rows
 
     @contextmanager
     def read(self) -> Iterator[sqlite3.Connection]:

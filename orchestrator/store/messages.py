@@ -174,9 +174,8 @@ class MessagesMixin(StoreBase):
             return _upsert(c, key, self._now())
 
     def get_conversation(self, conversation: ConversationId) -> Conversation | None:
-        with self._db.read() as c:
-            row = c.execute("SELECT * FROM conversations WHERE id = ?", (conversation,)).fetchone()
-        return None if row is None else conversation_from_row(row)
+        rows = self._db.query("SELECT * FROM conversations WHERE id = ?", (conversation,))
+        return conversation_from_row(rows[0]) if rows else None
 
     def conversations(self, agent: str | None = None) -> list[Conversation]:
         with self._db.read() as c:
@@ -241,9 +240,8 @@ class MessagesMixin(StoreBase):
         return None if row is None else _message(row)
 
     def get_message(self, message_id: MessageId) -> Message | None:
-        with self._db.read() as c:
-            row = c.execute("SELECT * FROM messages WHERE id = ?", (message_id,)).fetchone()
-        return None if row is None else _message(row)
+        rows = self._db.query("SELECT * FROM messages WHERE id = ?", (message_id,))
+        return _message(rows[0]) if rows else None
 
     def transition(
         self,
@@ -310,23 +308,25 @@ class MessagesMixin(StoreBase):
 
     def pending_for_conversation(self, conversation: ConversationId) -> list[Message]:
         """The conversation's unanswered messages, oldest first (its turn queue)."""
-        with self._db.read() as c:
-            rows = c.execute(
-                f"SELECT * FROM messages WHERE conversation_id = ?"  # noqa: S608
-                f" AND state IN ({_PENDING_SQL}) ORDER BY id",
-                (conversation,),
-            ).fetchall()
+        rows = self._db.query(
+            f"SELECT * FROM messages WHERE conversation_id = ?"  # noqa: S608
+            f" AND state IN ({_PENDING_SQL}) ORDER BY id",
+            (conversation,),
+        )
         return [_message(r) for r in rows]
 
     # -- replies -------------------------------------------------------------
 
     def record_reply(
-        self, message_id: MessageId, outbound_key: str, text: str
+        self, message_id: MessageId, outbound_key: str, text: str, *, delivered: bool = False
     ) -> tuple[Reply, bool]:
         """Record the reply to a RUNNING message and move it to REPLIED, in one transaction.
 
-        Idempotent on `outbound_key`: a second call returns the stored reply
-        and False, whatever its text. Reusing a key for another message raises.
+        `delivered`: its channel's caller reads the stored reply (the `api` channel), so
+        storing it delivers it: stamped delivered and the message DELIVERED in the same
+        transaction (one commit, not two, F3). Idempotent on `outbound_key`: a second
+        call returns the stored reply and False, whatever its text. Reusing a key for
+        another message raises.
         """
         now = self._now()
         with self._db.write() as c:
@@ -343,10 +343,15 @@ class MessagesMixin(StoreBase):
                 return existing, False
             self._transition_to(c, message_id, MessageState.RUNNING, MessageState.REPLIED, now)
             row = c.execute(
-                "INSERT INTO replies (message_id, conversation_id, outbound_key, text, created_at)"
-                " SELECT id, conversation_id, ?, ?, ? FROM messages WHERE id = ? RETURNING *",
-                (outbound_key, text, now, message_id),
+                "INSERT INTO replies (message_id, conversation_id, outbound_key, text,"
+                " created_at, delivered_at)"
+                " SELECT id, conversation_id, ?, ?, ?, ? FROM messages WHERE id = ? RETURNING *",
+                (outbound_key, text, now, now if delivered else None, message_id),
             ).fetchone()
+            if delivered:
+                self._transition_to(
+                    c, message_id, MessageState.REPLIED, MessageState.DELIVERED, now
+                )
         return _reply(row), True
 
     def _transition_to(
@@ -389,9 +394,8 @@ class MessagesMixin(StoreBase):
         return reply
 
     def reply_for_message(self, message_id: MessageId) -> Reply | None:
-        with self._db.read() as c:
-            row = c.execute("SELECT * FROM replies WHERE message_id = ?", (message_id,)).fetchone()
-        return None if row is None else _reply(row)
+        rows = self._db.query("SELECT * FROM replies WHERE message_id = ?", (message_id,))
+        return _reply(rows[0]) if rows else None
 
     def get_reply(self, outbound_key: str) -> Reply | None:
         with self._db.read() as c:

@@ -83,17 +83,27 @@ class SessionsMixin(MessagesMixin):
         sid = session_id or SessionId(uuid.uuid4().hex)
         if not SESSION_RE.fullmatch(sid):
             raise StoreError(f"session id {sid!r} is not a safe name ([A-Za-z0-9_-]{{1,64}})")
-        now = self._now()
         with self._db.write(durable=False) as c:
-            exists = c.execute("SELECT 1 FROM conversations WHERE id = ?", (conversation,))
-            if exists.fetchone() is None:
-                raise NotFound("conversation", conversation)
-            c.execute(
-                "INSERT INTO sessions (id, conversation_id, harness, harness_session_id,"
-                " state, started_at, last_active_at) VALUES (?, ?, ?, ?, ?, ?, ?)",
-                (sid, conversation, harness, harness_session_id, SessionState.LIVE, now, now),
-            )
-            return self._session_row(c, sid)
+            return self._open_session(c, conversation, harness, sid, harness_session_id)
+
+    def _open_session(
+        self,
+        c: sqlite3.Connection,
+        conversation: ConversationId,
+        harness: str,
+        sid: SessionId,
+        harness_session_id: str | None = None,
+    ) -> Session:
+        now = self._now()
+        exists = c.execute("SELECT 1 FROM conversations WHERE id = ?", (conversation,))
+        if exists.fetchone() is None:
+            raise NotFound("conversation", conversation)
+        c.execute(
+            "INSERT INTO sessions (id, conversation_id, harness, harness_session_id,"
+            " state, started_at, last_active_at) VALUES (?, ?, ?, ?, ?, ?, ?)",
+            (sid, conversation, harness, harness_session_id, SessionState.LIVE, now, now),
+        )
+        return self._session_row(c, sid)
 
     def get_session(self, session_id: SessionId) -> Session | None:
         with self._db.read() as c:
@@ -203,26 +213,47 @@ class SessionsMixin(MessagesMixin):
         without an fsync of its own: a start lost in a power cut leaves the message
         ACCEPTED, and recovery runs it again as it does a turn the crash cut short (D2).
         """
-        now = self._now()
         with self._db.write(durable=False) as c:
-            session = self._session_row(c, session_id)
-            if session.state is not SessionState.LIVE:
-                raise StoreError(f"session {session_id} has ended; open a new one for this turn")
-            if message_id is not None:
-                message = self._transition(
-                    c, message_id, MessageState.ACCEPTED, MessageState.RUNNING
-                )
-                if message.conversation_id != session.conversation_id:
-                    raise StoreError(
-                        f"message {message_id} belongs to conversation "
-                        f"{message.conversation_id}, not to session {session_id}'s"
-                    )
-            c.execute("UPDATE sessions SET last_active_at = ? WHERE id = ?", (now, session_id))
+            return self._start_turn(c, self._session_row(c, session_id), message_id)
+
+    def begin_turn(
+        self, conversation: ConversationId, harness: str, message_id: MessageId
+    ) -> tuple[Session, Turn]:
+        """The conversation's LIVE session (a new one if it has none) and, in it, the
+        message's turn started (`start_turn`): one transaction, committed without an fsync
+        of its own (F3: one commit for a turn's start, not two). Lost in a power cut, the
+        message is ACCEPTED again and recovery runs it (D2)."""
+        with self._db.write(durable=False) as c:
             row = c.execute(
-                "INSERT INTO turns (session_id, message_id, started_at) VALUES (?, ?, ?)"
-                " RETURNING *",
-                (session_id, message_id, now),
+                f"{SESSION_SELECT} WHERE s.state = 'live' AND s.conversation_id = ?"
+                " ORDER BY s.started_at, s.rowid LIMIT 1",
+                (conversation,),
             ).fetchone()
+            if row is not None:
+                session = session_from_row(row)
+            else:
+                sid = SessionId(uuid.uuid4().hex)
+                session = self._open_session(c, conversation, harness, sid)
+            return session, self._start_turn(c, session, message_id)
+
+    def _start_turn(
+        self, c: sqlite3.Connection, session: Session, message_id: MessageId | None
+    ) -> Turn:
+        now = self._now()
+        if session.state is not SessionState.LIVE:
+            raise StoreError(f"session {session.id} has ended; open a new one for this turn")
+        if message_id is not None:
+            message = self._transition(c, message_id, MessageState.ACCEPTED, MessageState.RUNNING)
+            if message.conversation_id != session.conversation_id:
+                raise StoreError(
+                    f"message {message_id} belongs to conversation "
+                    f"{message.conversation_id}, not to session {session.id}'s"
+                )
+        c.execute("UPDATE sessions SET last_active_at = ? WHERE id = ?", (now, session.id))
+        row = c.execute(
+            "INSERT INTO turns (session_id, message_id, started_at) VALUES (?, ?, ?) RETURNING *",
+            (session.id, message_id, now),
+        ).fetchone()
         return _turn(row)
 
     def finish_turn(self, turn_id: TurnId, *, ok: bool, harness_turn_id: str | None = None) -> Turn:

@@ -113,7 +113,7 @@ class TurnQueueStore(Protocol):
     ) -> Message: ...
 
     def record_reply(
-        self, message_id: MessageId, outbound_key: str, text: str
+        self, message_id: MessageId, outbound_key: str, text: str, *, delivered: bool = False
     ) -> tuple[Reply, bool]: ...
 
     def mark_delivered(self, outbound_key: str) -> Reply: ...
@@ -140,6 +140,10 @@ class SessionStore(ConversationStore, Protocol):
     def end_session(self, session_id: SessionId) -> Session: ...
 
     def start_turn(self, session_id: SessionId, message_id: MessageId | None = None) -> Turn: ...
+
+    def begin_turn(
+        self, conversation: ConversationId, harness: str, message_id: MessageId
+    ) -> tuple[Session, Turn]: ...
 
     def finish_turn(
         self, turn_id: TurnId, *, ok: bool, harness_turn_id: str | None = None

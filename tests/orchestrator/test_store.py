@@ -26,9 +26,11 @@ from orchestrator.store import (
     MessageId,
     MessageState,
     SandboxState,
+    Session,
     SessionId,
     SessionState,
     Store,
+    Turn,
     conversation_id,
 )
 from orchestrator.store.schema import SCHEMA_VERSION
@@ -90,7 +92,7 @@ def _syncs(store: Store, write: Callable[[], object]) -> list[int]:
     """The `synchronous` level each COMMIT of `write` ran under (2 FULL, 1 NORMAL)."""
     conn = store._db.connection()
     levels: list[int] = []
-    level = [2]
+    level = [conn.execute("PRAGMA synchronous").fetchone()[0]]
 
     def seen(sql: str) -> None:
         if sql.startswith("PRAGMA synchronous = "):
@@ -103,8 +105,19 @@ def _syncs(store: Store, write: Callable[[], object]) -> list[int]:
         write()
     finally:
         conn.set_trace_callback(None)
-    assert conn.execute("PRAGMA synchronous").fetchone()[0] == 2  # FULL again after
+    assert conn.execute("PRAGMA synchronous").fetchone()[0] == level[0]
     return levels
+
+
+def _statements(store: Store, work: Callable[[], object]) -> list[str]:
+    conn = store._db.connection()
+    seen: list[str] = []
+    conn.set_trace_callback(seen.append)
+    try:
+        work()
+    finally:
+        conn.set_trace_callback(None)
+    return seen
 
 
 def test_D1_D2_F3_writes_told_outside_are_fsynced_and_a_turns_own_are_not(
@@ -133,7 +146,54 @@ def test_D1_D2_F3_writes_told_outside_are_fsynced_and_a_turns_own_are_not(
     assert _syncs(store, lambda: store.mark_delivered("out:1")) == [2]
     with pytest.raises(StateConflict):
         store.finish_turn(turn.id, ok=True)
-    assert store._db.connection().execute("PRAGMA synchronous").fetchone()[0] == 2  # FULL
+    # a durable write after a refused quiet one is FULL all the same
+    assert _syncs(store, lambda: store.accept_message(conv.id, "m9", sender="u", text="x")) == [2]
+
+
+def test_D2_F3_a_turns_start_opens_its_session_in_the_same_commit(
+    store: Store, conv: Conversation
+) -> None:
+    """`begin_turn`: a conversation without a live session gets one, and the turn starts
+    in it, in one commit without an fsync of its own (F3); a later turn reuses it; a
+    refused start (the message is not ACCEPTED) leaves no session behind."""
+    m1, _ = store.accept_message(conv.id, "m1", sender="u", text="hi")
+    got: list[tuple[Session, Turn]] = []
+    assert _syncs(store, lambda: got.append(store.begin_turn(conv.id, "shell", m1.id))) == [1]
+    [(session, turn)] = got
+    assert session.state is SessionState.LIVE and session.conversation_id == conv.id
+    assert turn.session_id == session.id and turn.message_id == m1.id
+    assert store.get_message(m1.id).state is MessageState.RUNNING  # type: ignore[union-attr]
+    assert [s.id for s in store.live_sessions(conversation=conv.id)] == [session.id]
+    m2, _ = store.accept_message(conv.id, "m2", sender="u", text="again")
+    again, _ = store.begin_turn(conv.id, "shell", m2.id)
+    assert again.id == session.id and again.busy == 1  # the first turn is still open
+    other = store.upsert_conversation(ConversationKey("bot", "telegram", "-77"))
+    with pytest.raises(StateConflict):
+        store.begin_turn(other.id, "shell", m1.id)  # m1 is RUNNING already
+    assert store.live_sessions(conversation=other.id) == []
+
+
+def test_D1_F3_the_sync_level_is_set_only_when_it_changes_and_lone_reads_need_no_begin(
+    store: Store, conv: Conversation
+) -> None:
+    """Each statement on the turn lane is a wait for the interpreter lock (F3): a run of
+    writes of one durability sets `synchronous` once, and a one-statement read is sent
+    alone; a durable write after them is still FULL."""
+    msg, _ = store.accept_message(conv.id, "m1", sender="u", text="hi")
+    session = store.open_session(conv.id, "shell")
+    turn = store.start_turn(session.id, msg.id)
+
+    def two_quiet_writes() -> None:
+        store.record_sandbox("sb", conversation=conv.id, app="app", agent="bot", spec_hash="h")
+        store.finish_turn(turn.id, ok=True)
+
+    quiet = _statements(store, two_quiet_writes)
+    assert [q for q in quiet if q.startswith("PRAGMA")] == []  # NORMAL since start_turn
+    assert _syncs(store, lambda: store.record_reply(msg.id, "out:1", "answer")) == [2]
+    reads = _statements(store, lambda: store.pending_for_conversation(conv.id))
+    assert len(reads) == 1 and reads[0].startswith("SELECT")
+    assert store.reply_for_message(msg.id) is not None
+    assert store.get_conversation(conv.id) == conv
 
 
 def test_D1_database_file_is_private(store: Store) -> None:

@@ -15,6 +15,7 @@ import pytest
 
 from cellgate.errors import EngineUnavailable, ExecFailed
 from cellgate.models import ConversationKey
+from orchestrator.lane import in_lane
 from orchestrator.store import Conversation, Message, MessageId, MessageState, Reply, Store
 from orchestrator.turns import TurnAnswer, TurnLoop
 
@@ -92,6 +93,38 @@ async def test_D1_turns_of_one_conversation_run_in_arrival_order(
     ids = [submit(store, loop, "c1", f"m{i}").id for i in range(8)]
     await settle(store, ids)
     assert out.replies == [("c1", f"re:m{i}") for i in range(8)]
+
+
+async def test_D1_F3_a_reply_read_from_the_store_is_delivered_as_it_is_stored(
+    store: Store, make_loop: Callable[..., TurnLoop]
+) -> None:
+    """A conversation whose caller reads the stored reply (the `api` channel) has it
+    stamped delivered in the commit that records it: one durable commit for the answer,
+    not two; the delivery is still called (and counted). Another chat's reply is marked
+    delivered only after its channel took it."""
+    out = Delivered()
+    loop = make_loop(echo, out, delivered_by_store=lambda conv: conv.chat_id == "api-chat")
+    commits: list[str] = []
+
+    def trace() -> None:  # the turn lane's connection: the loop's reads and writes
+        conn = store._db.connection()
+        conn.set_trace_callback(lambda sql: commits.append(sql) if sql == "COMMIT" else None)
+
+    await in_lane(trace)
+    try:
+        api = submit(store, loop, "api-chat", "q")
+        await settle(store, [api.id])
+        api_commits = len(commits)
+        commits.clear()
+        other = submit(store, loop, "tg-chat", "q")
+        await settle(store, [other.id])
+    finally:
+        await in_lane(lambda: store._db.connection().set_trace_callback(None))
+    assert out.replies == [("api-chat", "re:q"), ("tg-chat", "re:q")]
+    api_reply, tg_reply = store.reply_for_message(api.id), store.reply_for_message(other.id)
+    assert api_reply is not None and api_reply.delivered_at == api_reply.created_at
+    assert tg_reply is not None and tg_reply.delivered_at is not None
+    assert api_commits == len(commits) - 1  # the api chat's has no mark_delivered commit
 
 
 async def test_R4_the_global_bound_holds_and_is_used(
