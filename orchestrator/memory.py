@@ -128,11 +128,33 @@ class _File:
     chars: int
 
 
-def _load(path: Path, report: LeftOut | None = None) -> _File | None:
-    text = read_text_nofollow(path, report=report)
-    if text is None:
-        return None
-    return _File(text, len(text))
+def _load_all(
+    directory: Path, names: tuple[str, ...], report: LeftOut | None = None
+) -> list[_File | None]:
+    """Each of `names` in `directory` as `read_text_nofollow` reads it (None: absent or left
+    out), through one descriptor of the directory (F3: one open of it, not one per file)."""
+    out: list[_File | None] = [None] * len(names)
+    try:
+        d = SafeDir.open(directory)
+    except FileNotFoundError:
+        return out
+    except UnsafePath as exc:
+        for name in names:
+            left_out(directory.name, name, exc, report)
+        return out
+    with d:
+        for i, name in enumerate(names):
+            try:
+                raw = d.read(name, cap=READ_CAP_BYTES)
+            except FileNotFoundError:
+                continue
+            except UnsafePath as exc:
+                left_out(directory.name, name, exc, report)
+                continue
+            if raw is not None:
+                text = raw.decode("utf-8", "replace")
+                out[i] = _File(text, len(text))
+    return out
 
 
 def _capped(text: str) -> str:
@@ -264,11 +286,10 @@ def compose_claude_md(
     logged, and told to `secret_report`.
     """
     parts: list[str] = []
-    template = _load(workspace / "CLAUDE.md")
+    template, *persona = _load_all(workspace, ("CLAUDE.md", *(n for n, _ in _PERSONA)))
     if template is not None and template.text.strip():
         parts.append(_capped(template.text.strip()) + "\n")
-    for name, title in _PERSONA:
-        f = _load(workspace / name)
+    for (name, title), f in zip(_PERSONA, persona, strict=True):
         if f is not None and f.text.strip():
             parts.append(_section(f"{title} ({name})", _capped(f.text)))
 
@@ -278,10 +299,11 @@ def compose_claude_md(
         rel = chat_dir.relative_to(workspace)
         chat_shown = shown_workspace.joinpath(*rel.parts)
         parts.append(_isolated_rule(chat_shown))
+        user, memory = _load_all(chat_dir, ("USER.md", "MEMORY.md"), report)
         parts.append(
             _memory_section(
                 f"This conversation's user profile ({chat_shown}/USER.md)",
-                _load(chat_dir / "USER.md", report),
+                user,
                 "user",
                 settings.user_budget_chars,
                 settings,
@@ -293,7 +315,7 @@ def compose_claude_md(
         parts.append(
             _memory_section(
                 f"This conversation's memory ({chat_shown}/MEMORY.md)",
-                _load(chat_dir / "MEMORY.md", report),
+                memory,
                 "memory",
                 settings.memory_budget_chars,
                 settings,
@@ -305,10 +327,11 @@ def compose_claude_md(
         return "\n".join(parts)
 
     parts.append(_shared_rule(write_routing and archive_enabled))
+    user, memory = _load_all(workspace, ("USER.md", "MEMORY.md"), report)
     parts.append(
         _memory_section(
             "User profile (USER.md)",
-            _load(workspace / "USER.md", report),
+            user,
             "user",
             settings.user_budget_chars,
             settings,
@@ -320,7 +343,7 @@ def compose_claude_md(
     parts.append(
         _memory_section(
             "Long-term memory (MEMORY.md)",
-            _load(workspace / "MEMORY.md", report),
+            memory,
             "memory",
             settings.memory_budget_chars,
             settings,

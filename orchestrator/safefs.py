@@ -435,30 +435,41 @@ class SafeDir:
         fd = os.dup(self.fd)
         try:
             for i, part in enumerate(parts):
-                if create:
+                try:
+                    nxt = self._open_part(fd, parts, i, rel, create)
+                except FileNotFoundError:
+                    if not create:
+                        raise
+                    # made only when missing (F3: a name that is there costs one call)
                     with contextlib.suppress(FileExistsError):
                         os.mkdir(part, mode, dir_fd=fd)
-                try:
-                    nxt = os.open(part, _DIR, dir_fd=fd)
-                except FileNotFoundError:
-                    raise
-                except OSError as exc:
-                    where = "/".join(parts[: i + 1])
-                    try:
-                        kind = kind_of(os.stat(part, dir_fd=fd, follow_symlinks=False).st_mode)
-                    except FileNotFoundError:
-                        raise exc from None
-                    if kind == "regular" and exc.errno == errno.ENOTDIR and not create:
-                        raise FileNotFoundError(errno.ENOENT, "not a directory", rel) from exc
-                    raise UnsafePath(
-                        self._show(where), kind, f"is {_SHOWN.get(kind, kind)}, not a directory"
-                    ) from exc
+                    nxt = self._open_part(fd, parts, i, rel, create)
                 os.close(fd)
                 fd = nxt
         except BaseException:
             os.close(fd)
             raise
         return SafeDir(fd, self._show("/".join(parts)) if parts else self.rel)
+
+    def _open_part(self, fd: int, parts: list[str], i: int, rel: str, create: bool) -> int:
+        """`parts[i]` opened below `fd` without following it; anything but a directory
+        there raises `UnsafePath` (a missing one `FileNotFoundError`)."""
+        part = parts[i]
+        try:
+            return os.open(part, _DIR, dir_fd=fd)
+        except FileNotFoundError:
+            raise
+        except OSError as exc:
+            where = "/".join(parts[: i + 1])
+            try:
+                kind = kind_of(os.stat(part, dir_fd=fd, follow_symlinks=False).st_mode)
+            except FileNotFoundError:
+                raise exc from None
+            if kind == "regular" and exc.errno == errno.ENOTDIR and not create:
+                raise FileNotFoundError(errno.ENOENT, "not a directory", rel) from exc
+            raise UnsafePath(
+                self._show(where), kind, f"is {_SHOWN.get(kind, kind)}, not a directory"
+            ) from exc
 
     def subdir(self, rel: str, *, create: bool = False, mode: int = 0o755) -> SafeDir:
         """Open (with `create`, make missing components of) the directory `rel` below this one."""
@@ -481,7 +492,10 @@ class SafeDir:
         """
         parts = split_rel(rel)
         shown = self._show("/".join(parts))
-        with self._walk(parts[:-1], rel) as parent:
+        # a name in this directory is opened at it (F3: no duplicate descriptor to walk from)
+        walked = self._walk(parts[:-1], rel) if len(parts) > 1 else None
+        parent = walked or self
+        try:
             name = parts[-1]
             before = os.stat(name, dir_fd=parent.fd, follow_symlinks=False)
             kind = kind_of(before.st_mode)
@@ -494,6 +508,9 @@ class SafeDir:
                 raise
             except OSError as exc:
                 _raise_open_failed(shown, name, parent.fd, exc)
+        finally:
+            if walked is not None:
+                walked.close()
         try:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode):

@@ -166,11 +166,16 @@ def _top(entries: Sequence[MountEntry], mount_point: str) -> MountEntry | None:
 
 def loop_backing_file(dev: int) -> str | None:
     """The file behind a loop block device, or None if `dev` is not one."""
-    p = Path(f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}/loop/backing_file")
-    try:
-        return p.read_text(encoding="utf-8", errors="surrogateescape").rstrip("\n")
+    p = f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}/loop/backing_file"
+    try:  # three system calls (F3: twice in a spare's take), not a buffered file's seven
+        fd = os.open(p, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            raw = os.read(fd, 8192)
+        finally:
+            os.close(fd)
     except OSError:
         return None
+    return raw.decode("utf-8", "surrogateescape").rstrip("\n")
 
 
 def _attached_loop(image: str) -> str | None:
@@ -491,6 +496,11 @@ def _real_path(base: Path) -> str:
     return os.path.realpath(base)
 
 
+def _mark(marker: Path) -> None:
+    """Leave the (empty) marker file; it may be there already."""
+    os.close(os.open(marker, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600))
+
+
 def _has_entries(path: str) -> bool:
     """Does the directory hold anything (read no further than its first entry)?"""
     with os.scandir(path) as it:
@@ -612,7 +622,8 @@ class LoopQuota:
         image, mnt = self.image(agent, digest), self.mount_dir(agent, digest)
         wait = 0 if quick else None  # quick: a held lock is `Busy` at once
         with locked(agent_dir / f"{digest}.lock", timeout=wait):
-            fresh = not image.exists() and not self._adopt(agent, digest, wait)
+            adopted = not image.exists() and self._adopt(agent, digest, wait)
+            fresh = not adopted and not image.exists()
             dev = None if fresh else self._mounted_dev(image, mnt)
             if dev is None:
                 if quick:
@@ -623,9 +634,10 @@ class LoopQuota:
             elif flags_of(str(mnt)) != self.limits.ms_flags():
                 _remount(str(mnt), self.limits)
             markers = mnt / MARKERS
-            with contextlib.suppress(FileExistsError):
-                os.mkdir(markers, 0o700)
-            keep_spare_inodes(mnt, markers / "spare")
+            if not adopted:  # a spare was made with both (F3: not checked again at its take)
+                with contextlib.suppress(FileExistsError):
+                    os.mkdir(markers, 0o700)
+                keep_spare_inodes(mnt, markers / "spare")
             for t in targets:
                 self._bind(t, mnt, markers, dev, owner, quick)
             os.utime(agent_dir / f"{digest}.lock")  # used now (see `mounted`)
@@ -835,20 +847,22 @@ class LoopQuota:
             return
         # a mount of another device shows in `st_dev`; only then is the table read (F3:
         # it is long on a busy host). A same-device bind there is covered by ours, which
-        # is checked by device and inode below.
-        top = _top(mountinfo(), host) if have.st_dev != os.lstat(Path(host).parent).st_dev else None
+        # is checked by device and inode below. A dir made just now holds no mount.
+        covered = not made and have.st_dev != os.lstat(Path(host).parent).st_dev
+        top = _top(mountinfo(), host) if covered else None
         if top is not None:
             raise QuotaError(
                 f"{host} is already a mount point ({top.fstype} {top.root}), not this "
                 f"conversation's quota image; unmount it (`umount {host}`) and retry"
             )
         marker = markers / f"migrated-{t.name.replace('/', '-')}"
-        if not marker.exists():
-            if not made:  # a dir made just now holds nothing to move in
-                if quick and _has_entries(host):
-                    raise Busy(f"{host} has data to move into the image")
-                _migrate(QuotaTarget(t.name, t.base, Path(host)), sub, self.limits)
-            marker.touch(0o600)
+        if made:  # a dir made just now holds nothing to move in
+            _mark(marker)
+        elif not marker.exists():
+            if quick and _has_entries(host):
+                raise Busy(f"{host} has data to move into the image")
+            _migrate(QuotaTarget(t.name, t.base, Path(host)), sub, self.limits)
+            _mark(marker)
         fd = os.open(sub, os.O_PATH | os.O_NOFOLLOW | os.O_DIRECTORY | os.O_CLOEXEC)
         try:
             if os.fstat(fd).st_ino != want.st_ino:

@@ -243,6 +243,42 @@ def test_M5_fifo_planted_in_chat_dir_does_not_hang_compose(tree: Tree) -> None:
     assert CHAT_USER in out[0]
 
 
+def test_M5_F3_compose_opens_each_directory_once(
+    tree: Tree, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The persona files come through one descriptor of the workspace, the conversation's
+    memory through one of its chat dir (F3: a first turn composes under a burst)."""
+    opened: list[str] = []
+    real_open = os.open
+
+    def counting(path: object, flags: int, *args: object, **kw: object) -> int:
+        if flags & os.O_DIRECTORY and kw.get("dir_fd") is None:
+            opened.append(os.fspath(path))  # type: ignore[arg-type]
+        return real_open(path, flags, *args, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(os, "open", counting)
+    text = compose(tree, isolated=True, archive=False)
+    assert CHAT_MEMORY in text and "SOUL-TEXT" in text
+    assert sorted(opened) == sorted([str(tree.workspace), str(tree.chat_dir)])
+
+
+def test_M5_R3_a_chat_dir_replaced_by_a_link_leaves_both_memory_files_out(
+    tree: Tree, tmp_path: Path
+) -> None:
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "USER.md").write_text("OTHER-USER")
+    (elsewhere / "MEMORY.md").write_text("OTHER-MEMORY")
+    for name in ("USER.md", "MEMORY.md"):
+        (tree.chat_dir / name).unlink()
+    tree.chat_dir.rmdir()
+    tree.chat_dir.symlink_to(elsewhere)
+    seen: list[UnsafePath] = []
+    text = compose(tree, isolated=True, archive=False, report=seen.append)
+    assert "OTHER-USER" not in text and "OTHER-MEMORY" not in text
+    assert [e.kind for e in seen] == ["symlink", "symlink"]
+
+
 def test_read_is_capped(tmp_path: Path) -> None:
     p = tmp_path / "big.md"
     p.write_bytes(b"a" * 5000)

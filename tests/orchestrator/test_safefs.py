@@ -373,6 +373,31 @@ def test_mkdirs_never_walks_through_a_link(tree: Tree) -> None:
     assert not (tree.outside / "new").exists()
 
 
+def test_F3_mkdirs_makes_only_what_is_missing(tree: Tree, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A dir that is there costs one open, no `mkdir` (F3: every turn walks its
+    conversation's dirs); a link or a file in the way is still refused."""
+    (tree.base / "a" / "b").mkdir(parents=True)
+    (tree.base / "f").write_text("x")
+    (tree.base / "m").symlink_to(tree.outside, target_is_directory=True)
+    made: list[object] = []
+    real_mkdir = os.mkdir
+
+    def mkdir(path: object, *args: object, **kw: object) -> None:
+        made.append(path)
+        real_mkdir(path, *args, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(os, "mkdir", mkdir)
+    with SafeDir.open(tree.base) as d:
+        d.mkdirs("a/b")
+        assert made == []
+        d.mkdirs("a/b/c/d")
+        assert made == ["c", "d"]
+        for bad in ("m/x", "f/x", "f"):
+            with pytest.raises(UnsafePath):
+                d.mkdirs(bad)
+    assert (tree.base / "a" / "b" / "c" / "d").is_dir() and not (tree.outside / "x").exists()
+
+
 # -- the gateway's own calls, with a FIFO planted in place of each file --------------------
 
 

@@ -286,3 +286,35 @@ def test_F1_F3_R2_a_taken_spare_mount_is_moved_whole_under_a_shared_mount_too(
     assert spared.refill(AGENT) == 2
     _taken_whole(spared, tmp_path, "a")
     assert "could not move" not in caplog.text  # taken as it was mounted, not mounted anew
+
+
+def test_F1_F3_R2_a_spares_take_makes_only_what_the_conversation_needs(
+    spared: SparedQuota, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A take (64 of them in a burst, on one thread, F3) neither checks again what the
+    spare was made with (its markers dir, its held inodes) nor looks for data to move into
+    dirs it made itself; each target is still marked moved in, so a later bind of it
+    moves nothing either, and the held inodes are the spare's."""
+    assert spared.refill(AGENT, 1) == 1
+    c = conv(spared, tmp_path, "a")
+    calls: list[str] = []
+    for name in ("mkdir", "listdir", "statvfs", "stat", "lstat", "utime", "scandir"):
+        real = getattr(os, name)
+
+        def counted(*args: object, _real: object = real, _name: str = name, **kw: object) -> object:
+            calls.append(_name)
+            return _real(*args, **kw)  # type: ignore[operator]
+
+        monkeypatch.setattr(os, name, counted)
+    spared.ensure(AGENT, c.digest, c.targets, OWNER, quick=True)
+    monkeypatch.undo()
+    markers = spared.mount_dir(AGENT, c.digest) / ".cellgate"
+    assert "listdir" not in calls and "scandir" not in calls  # no held inodes, no data looked for
+    assert calls.count("statvfs") == 1  # the mount's flags, once
+    assert calls.count("utime") == 1  # the lock's use, not a marker's
+    assert sorted(p.name for p in markers.glob("migrated-*")) == [
+        "migrated-chat",
+        "migrated-home",
+        "migrated-media-tg-a",
+    ]
+    assert len(list((markers / "spare").iterdir())) > 0  # the spare's own held inodes
