@@ -41,8 +41,8 @@ from orchestrator.spare_quota import SparedQuota
 from sandbox.backends.base import SandboxHandle, SandboxNotFound
 from sandbox.backends.docker import DockerBackend
 from sandbox.backends.docker_pool import DockerPoolOps, engine_init, late_bind_refusal
-from sandbox.latebind import LateBinder, LateBindError, Skeleton, Slot, bound_ahead, skeleton
-from sandbox.mountplan import BRIDGE, MountPlan, PlannedMount
+from sandbox.latebind import LateBinder, LateBindError, Slot, bound_ahead, skeleton
+from sandbox.mountplan import BRIDGE, MountPlan
 from sandbox.pool import POOL_NAME_INFIX, pool_key, pooled_spec
 from sandbox.spec import LABEL_APP, LABEL_GATEWAY, LABEL_MANAGED, SandboxSpec
 
@@ -142,8 +142,8 @@ class WarmPool:
         self._claiming: set[str] = set()
         self._unsettled: set[str] = set()  # claimed, their first turn still running (F3)
         self._said: set[str] = set()
-        self._skeleton: Skeleton = ()  # what the last claim's plan needed (F3: made ahead)
-        self._ahead: tuple[PlannedMount, ...] = ()  # its app's mounts (F3: bound ahead)
+        self._last_plan: MountPlan | None = None  # the last claim's: what a slot makes
+        # and binds ahead (F3) is worked out from it when the next slot is made
         self._last_claim = float("-inf")
         self._stop = threading.Event()  # ends a spare-quota refill in its worker thread
         self.stopped = False  # `stop`: it makes nothing more (its agent is being uninstalled)
@@ -222,7 +222,7 @@ class WarmPool:
             )
             self.claimed[spec.conversation] = Claimed(pooled, spec.plan)
             self._unsettled.add(spec.conversation)
-            self._skeleton, self._ahead = skeleton(spec.plan), bound_ahead(spec.plan)
+            self._last_plan = spec.plan
         except (CellgateError, OSError) as exc:
             logger.warning("pooled sandbox %s not claimed: %s", pooled.handle.name, exc)
             self.claimed.pop(spec.conversation, None)
@@ -334,8 +334,14 @@ class WarmPool:
         except CellgateError as exc:
             logger.warning("could not make spare quota images: %s", exc)
 
+    def _new_slot(self, plan: MountPlan | None) -> Slot:
+        """A new slot, with what the last claim's plan needed made and bound ahead (F3)."""
+        if plan is None:
+            return self.binder.new_slot((), ())
+        return self.binder.new_slot(skeleton(plan), bound_ahead(plan))
+
     async def _make(self, template: SandboxSpec) -> bool:
-        slot = await asyncio.to_thread(self.binder.new_slot, self._skeleton, self._ahead)
+        slot = await asyncio.to_thread(self._new_slot, self._last_plan)
         self._creating.add(slot.id)
         trigger = -1
         create: asyncio.Future[SandboxHandle] | None = None

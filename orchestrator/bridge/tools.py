@@ -57,6 +57,7 @@ logger = logging.getLogger(__name__)
 JSONObject = dict[str, Any]
 MAX_TEXT_CHARS = 16_000
 MAX_MEMORY_CHARS = 8_000
+OFFERS_KEPT = 64  # kinds of scope (channel, isolated, archive) whose offer is kept
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,6 +156,8 @@ class ToolHandlers:
     def __init__(self, refusals: RefusalSink | None = None) -> None:
         self._tools: dict[str, ToolSpec] = {}
         self._refusals = refusals
+        # what each kind of scope is offered (the policies are pure, F3: not redone per turn)
+        self._offers: dict[tuple[str, bool, bool], tuple[ToolSpec, ...]] = {}
 
     def register(
         self,
@@ -173,6 +176,7 @@ class ToolHandlers:
         if definition.name in self._tools:
             raise ValueError(f"bridge tool {definition.name!r} is already registered")
         self._tools[definition.name] = ToolSpec(definition, handler)
+        self._offers.clear()
 
     def names(self) -> tuple[str, ...]:
         return tuple(self._tools)
@@ -187,9 +191,16 @@ class ToolHandlers:
             return PolicyDenied(offered.rule, offered.reason)
         return None
 
-    def offered(self, scope: BridgeScope) -> list[ToolSpec]:
+    def offered(self, scope: BridgeScope) -> tuple[ToolSpec, ...]:
         """T1/T2: the tools this scope may call, in registration order."""
-        return [s for s in self._tools.values() if self._offer(s, scope) is None]
+        key = (scope.channel, scope.isolated, scope.archive_enabled)
+        offers = self._offers.get(key)
+        if offers is None:
+            if len(self._offers) >= OFFERS_KEPT:
+                self._offers.clear()
+            offers = tuple(s for s in self._tools.values() if self._offer(s, scope) is None)
+            self._offers[key] = offers
+        return offers
 
     def definitions(self, scope: BridgeScope) -> tuple[ToolDef, ...]:
         """What a turn in this scope is offered (`TurnRequest.tools`), as `list_tools` shows it."""

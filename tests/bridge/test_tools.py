@@ -273,6 +273,32 @@ async def test_T1_a_channel_module_tool_loads_only_for_its_channel(world: World)
     assert "browser_open" not in json.dumps(await tg.ok("list_tools"))
 
 
+async def test_T1_T2_F3_each_kind_of_scope_keeps_its_own_offer_until_a_tool_is_added(
+    world: World,
+) -> None:
+    """The offer is worked out once per (channel, isolated, archive) (F3: not per turn);
+    a scope of another kind gets its own, and a tool registered later is offered at once."""
+    from orchestrator.bridge import ToolCall
+
+    async def anything(call: ToolCall) -> dict[str, object]:
+        return {}
+
+    tg = await world.open("42", "telegram")
+    shared = await world.open("43", "telegram", isolated=False)
+    first = [t.name for t in world.handlers.definitions(tg.scope)]
+    assert world.handlers.offered(tg.scope) is world.handlers.offered(tg.scope)
+    world.handlers.register("cron_create", anything)  # T2: only a shared agent's
+    world.handlers.register("telegram_pin", anything, module="telegram")
+    world.handlers.register("discord_pin", anything, module="discord")
+    after = [t.name for t in world.handlers.definitions(tg.scope)]
+    assert after == [*first, "telegram_pin"]
+    assert "cron_create" in [t.name for t in world.handlers.definitions(shared.scope)]
+    names = [t["name"] for t in (await tg.ok("list_tools"))["tools"]]
+    assert "telegram_pin" in names and "discord_pin" not in names
+    await tg.refused("discord_pin", {}, "T1")
+    await tg.refused("cron_create", {}, "T2")
+
+
 async def test_T2_tools_not_offered_to_an_isolated_agent(world: World) -> None:
     from orchestrator.bridge import ToolCall
 
