@@ -46,7 +46,9 @@ from orchestrator.cron.agents import agent_facts, agent_workdir
 from orchestrator.delivery import GatewayOutbox, ReplyDelivery, read_from_store
 from orchestrator.harnesses.base import TurnResult
 from orchestrator.heartbeats import Heartbeats
+from orchestrator.host_worker import WORKER
 from orchestrator.intake import Intake
+from orchestrator.lane import in_host_lane
 from orchestrator.metrics import Metrics
 from orchestrator.pool import WarmPools
 from orchestrator.reload import Reloader
@@ -221,6 +223,8 @@ class Gateway:
             asyncio.create_task(supervised("cron", self.cron.run_forever)),  # C1, missed runs
             *(asyncio.create_task(supervised("pool", p.run_forever)) for p in self.pools.pools),
         ]
+        if self.pools.pools:  # F3: its imports done before the pool's first claim
+            self._background.append(asyncio.create_task(in_host_lane(WORKER.start)))
         self.pools.spawn = lambda pool: self._background.append(
             asyncio.create_task(supervised("pool", pool.run_forever))
         )

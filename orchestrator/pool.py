@@ -51,6 +51,7 @@ logger = logging.getLogger(__name__)
 COLD_MEMORY = 10_000
 REFILL_INTERVAL = 30.0
 REFILL_BATCH = 2
+CLAIMS_AT_ONCE = 2  # claims bound and checked at once (F3)
 REFILL_QUIET = 0.3  # seconds without a claim, and no claimed first turn running, before
 STOP_SECONDS = 30.0  # how long `stop` waits for a pool's loop (a refill in flight) to end
 REFILL_DEFER = 3.0  # the pool refills; but never put off longer than this
@@ -140,6 +141,7 @@ class WarmPool:
         self._creating: set[str] = set()
         self._pending: dict[asyncio.Future[SandboxHandle], tuple[Slot, int, SandboxSpec]] = {}
         self._claiming: set[str] = set()
+        self._claims = asyncio.Semaphore(CLAIMS_AT_ONCE)
         self._unsettled: set[str] = set()  # claimed, their first turn still running (F3)
         self._said: set[str] = set()
         self._last_plan: MountPlan | None = None  # the last claim's: what a slot makes
@@ -175,16 +177,20 @@ class WarmPool:
             await self._retemplate(spec, key)
             self.cold.put(conv, True)
             return None
-        if mine is None and await self.ops.exists(spec.name):
-            self.cold.put(conv, True)  # its own sandbox from before the pool: keep it
-            return None
-        while self.ready:
-            pooled = self.ready.popleft()
-            self._last_claim = asyncio.get_running_loop().time()
-            self.wake.set()
-            handle = await self._bind(pooled, spec)
-            if handle is not None:
-                return handle
+        # F3: a claim is Python work on an engine thread (the binds, the inspects, the
+        # mount table), so a burst's claims go a few at a time: all of them at once
+        # kept every thread wanting the interpreter lock, and the event loop waited
+        async with self._claims:
+            if mine is None and await self.ops.exists(spec.name):
+                self.cold.put(conv, True)  # its own sandbox from before the pool: keep it
+                return None
+            while self.ready:
+                pooled = self.ready.popleft()
+                self._last_claim = asyncio.get_running_loop().time()
+                self.wake.set()
+                handle = await self._bind(pooled, spec)
+                if handle is not None:
+                    return handle
         self._say_once("empty", "warm pool of %s empty: new conversations start cold (%s)", "F1")
         self.cold.put(conv, True)
         return None

@@ -14,21 +14,21 @@ import logging
 from collections.abc import Mapping
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Protocol
 
 from cellgate.errors import QuotaError
 from cellgate.models import ConversationKey
 from orchestrator.apps import InstalledApp
 from orchestrator.config import GatewaySettings
-from orchestrator.conversations import ConversationPaths, conversation_paths, ensure_conversation
+from orchestrator.conversations import ConversationPaths, conversation_paths
+from orchestrator.host_side import host_side
+from orchestrator.host_worker import WORKER
 from orchestrator.lane import in_host_lane
 from orchestrator.placement import Placement
 from orchestrator.store.messages import conversation_id
 from policies.secrets import env_entry
 from sandbox.backends.base import ImageFacts, SandboxBackend, SandboxHandle
 from sandbox.gateway_id import valid_gateway_id
-from sandbox.mountplan import own_dirs, plan_mounts, scan_workspace
 from sandbox.quota import Busy, LoopQuota, QuotaLimits, QuotaTarget, probe
 from sandbox.spec import DEFAULT_UID, SandboxLimits, SandboxSpec, sandbox_name
 
@@ -97,14 +97,6 @@ def quota_from(settings: GatewaySettings, app: InstalledApp) -> tuple[LoopQuota 
     return LoopQuota(root, limits), None
 
 
-def quota_targets(paths: ConversationPaths, agent_root: Path) -> tuple[QuotaTarget, ...]:
-    return (
-        QuotaTarget("chat", paths.workspace, paths.chat_dir),
-        QuotaTarget(f"media/{paths.media_dir.name}", paths.workspace, paths.media_dir),
-        QuotaTarget("home", agent_root, paths.home_dir),
-    )
-
-
 @dataclass(frozen=True, slots=True)
 class PreparedSandbox:
     spec: SandboxSpec
@@ -171,32 +163,31 @@ class ConversationSandboxes:
         paths = conversation_paths(self.app.agent_root, self.app.workspace, key, session_id)
 
         def prepare(quick: bool) -> SandboxSpec:
-            if self.quota is not None:
-                targets = quota_targets(paths, self.app.agent_root)
-                self.quota.ensure(self.app.agent, key.digest, targets, (uid, gid), quick=quick)
-            ensure_conversation(paths, uid, gid)
-            snap = scan_workspace(paths.workspace)
-            own = own_dirs(paths.chat_dir, paths.media_dir, paths.home_dir, paths.bridge_dir)
+            if quick:  # F3: in the host worker, a process with its own interpreter lock
+                plan = WORKER.host_side(self.quota, agent, digest, paths, root, owner, True)
+            else:
+                plan = host_side(self.quota, agent, digest, paths, root, owner, False)
             return SandboxSpec(
-                name=sandbox_name(self.app.name, key.digest, gateway=self.gateway_id),
+                name=sandbox_name(self.app.name, digest, gateway=self.gateway_id),
                 image=self.app.image,
                 image_id=image.id,
                 user=user,
                 env=sandbox_env(image.env, self.app.environment),
                 networks=self.app.networks,
-                plan=plan_mounts(snap, own),
+                plan=plan,
                 limits=limits_from(self.settings),
                 runtime=self.settings.runtime,
                 app=self.app.name,
-                agent=self.app.agent,
+                agent=agent,
                 conversation=conversation_id(key),
                 gateway=self.gateway_id,
             )
 
+        agent, digest, root, owner = self.app.agent, key.digest, self.app.agent_root, (uid, gid)
         # on the host lane (orchestrator.lane), quick: anything that may take long (a quota
         # image to make or mount, its lock held, data to move in) is `Busy` there and done
-        # on the default executor, so that it never queues every new conversation behind it
-        # (F3)
+        # on the default executor, in this process, so that it never queues every new
+        # conversation behind it (F3)
         try:
             return await in_host_lane(prepare, True), paths
         except Busy:

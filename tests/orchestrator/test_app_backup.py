@@ -20,7 +20,7 @@ from orchestrator.app_backup import backup_app, restore_app
 from orchestrator.apps import InstalledApp
 from orchestrator.config import write_config_document
 from orchestrator.conversations import conversation_paths
-from orchestrator.sandboxes import quota_targets
+from orchestrator.host_side import quota_targets
 from orchestrator.store import Store
 from policies.archive import ArchiveLimits
 from sandbox.quota import LoopQuota, QuotaLimits, release_all

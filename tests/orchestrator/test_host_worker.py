@@ -1,0 +1,157 @@
+"""F3: a conversation's sandbox host side runs in the host worker, a process of its own.
+
+Each test starts its own worker (named with this run's id, so `ps` shows whose it
+is) and closes it. No engine and no quota image are needed: the host side of a
+conversation without a quota still makes its dirs and plans its mounts.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from cellgate.errors import ConversationError
+from cellgate.models import ConversationKey
+from orchestrator.conversations import ConversationPaths, conversation_paths
+from orchestrator.host_side import host_side
+from orchestrator.host_worker import HostWorker
+from tests.support.run_id import RUN_ID
+
+OWNER = (os.getuid(), os.getgid())
+
+
+@pytest.fixture
+def worker() -> Iterator[HostWorker]:
+    w = HostWorker(RUN_ID, reply_timeout=10, retry_after=0.2)
+    yield w
+    w.close()
+
+
+def _paths(tmp_path: Path, chat: str) -> tuple[ConversationPaths, Path]:
+    workspace, agent_root = tmp_path / "ws", tmp_path / "agent"
+    for d in (workspace, agent_root):
+        d.mkdir(exist_ok=True)
+    (workspace / "SOUL.md").write_text("soul\n")
+    key = ConversationKey("bot", "telegram", chat)
+    return conversation_paths(agent_root, workspace, key, f"s-{chat}"), agent_root
+
+
+def _run(w: HostWorker, paths: ConversationPaths, root: Path) -> object:
+    return w.host_side(None, "bot", "d" * 16, paths, root, OWNER, True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def test_F3_M3_S3_the_worker_makes_the_dirs_and_plans_as_the_gateway_would(
+    worker: HostWorker, tmp_path: Path
+) -> None:
+    """The same plan as `host_side` run here (dev/inode of the same dirs and files), from a
+    process that is not this one, which is named with its owner's run id."""
+    paths, root = _paths(tmp_path, "a")
+    plan = _run(worker, paths, root)
+    assert worker.pid is not None and worker.pid != os.getpid()
+    cmdline = Path(f"/proc/{worker.pid}/cmdline").read_bytes().split(b"\0")
+    assert b"orchestrator.host_worker" in cmdline and RUN_ID.encode() in cmdline
+    for d in (paths.chat_dir, paths.media_dir, paths.home_dir, paths.bridge_dir):
+        assert d.is_dir() and not d.is_symlink()
+    assert (paths.chat_dir / "MEMORY.md").read_text() == ""
+    assert plan == host_side(None, "bot", "d" * 16, paths, root, OWNER, True)
+
+
+def test_F3_R3_the_workers_log_records_are_logged_by_the_gateway(
+    worker: HostWorker, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A planted USER.md link is left out in the worker; its warning reaches this process's
+    logger of the same name, marked with the worker's pid."""
+    paths, root = _paths(tmp_path, "b")
+    paths.chat_dir.mkdir(parents=True)
+    (paths.chat_dir / "USER.md").symlink_to("/etc/shadow")
+    with caplog.at_level(logging.INFO):
+        _run(worker, paths, root)
+    mine = [r for r in caplog.records if "USER.md" in r.getMessage()]
+    assert mine, [r.getMessage() for r in caplog.records]
+    assert {r.process for r in mine} == {worker.pid}
+    assert mine[0].levelno >= logging.WARNING
+    assert (paths.chat_dir / "USER.md").is_symlink()  # left as it was
+
+
+def test_F3_an_error_in_the_worker_is_raised_here_as_the_same_exception(
+    worker: HostWorker, tmp_path: Path
+) -> None:
+    paths, root = _paths(tmp_path, "c")
+    (paths.workspace / "chats").symlink_to(tmp_path)  # a planted link on the way
+    with pytest.raises(ConversationError) as here:
+        host_side(None, "bot", "d" * 16, paths, root, OWNER, True)
+    with pytest.raises(ConversationError) as there:
+        _run(worker, paths, root)
+    assert worker.pid is not None  # it answered: the error was the host side's
+    assert str(there.value) == str(here.value)
+    assert there.value.reason == here.value.reason
+    assert not list(tmp_path.glob("*/MEMORY.md"))
+
+
+def test_F3_a_dead_worker_is_done_without_and_replaced_after_the_wait(
+    worker: HostWorker, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    paths, root = _paths(tmp_path, "d")
+    want = _run(worker, paths, root)
+    first = worker.pid
+    assert first is not None
+    os.kill(first, signal.SIGKILL)
+    while _alive(first) and Path(f"/proc/{first}/stat").read_text().split()[2] != "Z":
+        time.sleep(0.01)
+    with caplog.at_level(logging.WARNING):
+        assert _run(worker, paths, root) == want  # done here meanwhile: nothing lost
+    assert worker.pid is None
+    assert any("host worker (F3)" in r.getMessage() for r in caplog.records)
+    time.sleep(0.3)  # its retry_after
+    assert _run(worker, paths, root) == want
+    assert worker.pid is not None and worker.pid != first
+
+
+def test_F3_a_hung_worker_is_killed_after_the_reply_timeout(tmp_path: Path) -> None:
+    w = HostWorker(RUN_ID, reply_timeout=0.5, retry_after=60)
+    try:
+        paths, root = _paths(tmp_path, "e")
+        want = _run(w, paths, root)
+        hung = w.pid
+        assert hung is not None
+        os.kill(hung, signal.SIGSTOP)
+        assert _run(w, paths, root) == want
+        assert not _alive(hung)  # killed and reaped
+        assert w.pid is None  # and not started again before retry_after
+    finally:
+        w.close()
+
+
+def test_F3_the_worker_ends_when_the_gateway_closes_it(worker: HostWorker, tmp_path: Path) -> None:
+    paths, root = _paths(tmp_path, "f")
+    _run(worker, paths, root)
+    pid = worker.pid
+    assert pid is not None
+    worker.close()
+    assert not _alive(pid)
+
+
+def test_K1_the_worker_gets_none_of_the_gateways_secrets(
+    worker: HostWorker, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("TELEGRAM_BOT_TOKEN", "123:secret-of-the-gateway")
+    paths, root = _paths(tmp_path, "g")
+    _run(worker, paths, root)
+    assert worker.pid is not None
+    environ = Path(f"/proc/{worker.pid}/environ").read_bytes()
+    assert b"secret-of-the-gateway" not in environ
+    assert b"TELEGRAM_BOT_TOKEN" not in environ
