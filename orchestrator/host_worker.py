@@ -6,26 +6,32 @@ On the host lane each one hands Python's interpreter lock to the event loop,
 the store's lane and the engine threads and waits to get it back, so 64 new
 conversations at once queued behind it. Here it runs in a process of its own,
 with its own interpreter lock, on a core the gateway's one lock leaves idle:
-the host lane sends one request and waits for one reply.
+the host lane only sends the request (one system call), and the caller's
+event loop gets the reply from a reader thread.
 
 The worker is `python -m orchestrator.host_worker FD LEVEL NAME`, started by the
 gateway (as the same user, with a minimal environment) and reached over a
 private socket pair, never a path a sandbox could reach. Frames are a 4-byte
-length and a pickle, both ends this same code. It runs only `host_side`, one
-request at a time (the host lane is one thread), with quota objects of its
-own: every take of a spare and every bind is under the same file locks as in
-the gateway (`sandbox.quota.locked`), so the two never step on each other.
+length and a pickle, both ends this same code; a request carries an id, and
+its reply the same. It runs only `host_side`, one request after the other in
+the order sent, with quota objects of its own: every take of a spare and
+every bind is under the same file locks as in the gateway
+(`sandbox.quota.locked`), so the two never step on each other.
 Its log records come back over the socket and are logged by the gateway's
 own loggers; an error comes back as the same exception (class, message and
-attributes). When the worker cannot be started, dies, sends garbage or does
-not answer within `REPLY_TIMEOUT`, the gateway kills it, says so once in the
-log, and runs `host_side` itself (it is idempotent) until `RETRY_AFTER` has
-passed. The worker ends when the gateway closes its end (or dies).
+attributes). When the worker cannot be started, dies, sends garbage or
+answers nothing for `REPLY_TIMEOUT` while asked, the gateway kills it, says so
+in the log, and runs `host_side` itself on the host lane (it is idempotent:
+the requests in flight too) until `RETRY_AFTER` has passed. The worker ends
+when the gateway closes its end (or dies).
 """
 
 from __future__ import annotations
 
+import asyncio
+import atexit
 import contextlib
+import itertools
 import logging
 import os
 import pickle
@@ -44,6 +50,7 @@ from typing import Any
 from cellgate.errors import CellgateError, SandboxError
 from orchestrator.conversations import ConversationPaths
 from orchestrator.host_side import QuotaRef, Quotas, host_side, quota_ref
+from orchestrator.lane import in_host_lane
 from sandbox.mountplan import MountPlan
 from sandbox.quota import LoopQuota
 
@@ -89,8 +96,12 @@ def _recv_exactly(sock: socket.socket, n: int) -> bytes:
 
 
 class HostWorker:
-    """The gateway's handle on its worker process; used from the host lane (one thread
-    at a time: a lock makes sure)."""
+    """The gateway's handle on its worker process.
+
+    A request is sent from the host lane and not waited for there: the lane sends the
+    next one while the worker works, so the worker goes from one to the next without
+    waiting for the gateway's interpreter lock in between. A reader thread takes the
+    replies and settles each caller's future on the caller's own event loop."""
 
     def __init__(
         self,
@@ -105,12 +116,16 @@ class HostWorker:
         self._lock = threading.Lock()
         self._proc: subprocess.Popen[bytes] | None = None
         self._sock: socket.socket | None = None
+        self._waiting: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future[object]]] = {}
+        self._ids = itertools.count()
+        self._progress = 0.0  # when the worker last answered, or was first asked after that
         self._down_until = 0.0
 
     @property
     def pid(self) -> int | None:
         """The worker's process id while one runs."""
-        return self._proc.pid if self._proc is not None else None
+        proc = self._proc
+        return proc.pid if proc is not None else None
 
     def start(self) -> None:
         """Start the worker now, if none runs (it imports for a moment: ahead of the
@@ -118,7 +133,7 @@ class HostWorker:
         with self._lock:
             self._connected()
 
-    def host_side(
+    async def host_side(
         self,
         quota: LoopQuota | None,
         agent: str,
@@ -126,60 +141,102 @@ class HostWorker:
         paths: ConversationPaths,
         agent_root: Path,
         owner: tuple[int, int],
-        quick: bool,
     ) -> MountPlan:
-        """`orchestrator.host_side.host_side`, run by the worker; here when it cannot be.
-        Raises what `host_side` raises. Blocking."""
+        """`orchestrator.host_side.host_side`, quick, run by the worker; on the host lane
+        when it cannot be. Raises what `host_side` raises (`Busy` for anything slow)."""
         ref = quota_ref(quota) if quota is not None else None
-        with self._lock:
-            sock = self._connected()
-            if sock is not None:
-                try:
-                    reply = self._ask(sock, (ref, agent, digest, paths, agent_root, owner, quick))
-                except Broken as exc:
-                    self._failed(str(exc))
-                else:
-                    if isinstance(reply, BaseException):
-                        raise reply
-                    if not isinstance(reply, MountPlan):
-                        raise SandboxError(f"the host worker answered a {type(reply).__name__}")
-                    return reply
-        return host_side(quota, agent, digest, paths, agent_root, owner, quick)
+        loop = asyncio.get_running_loop()
+        reply: asyncio.Future[object] = loop.create_future()
+        request = (ref, agent, digest, paths, agent_root, owner, True)
+        try:
+            await in_host_lane(self._send, request, loop, reply)
+            answer = await reply
+        except Broken:
+            return await in_host_lane(
+                host_side, quota, agent, digest, paths, agent_root, owner, True
+            )
+        if not isinstance(answer, MountPlan):
+            raise SandboxError(f"the host worker answered a {type(answer).__name__}")
+        return answer
 
     def close(self) -> None:
-        """Close its socket (the worker ends) and reap it."""
+        """Close its socket (the worker ends) and reap it. Blocking."""
         with self._lock:
-            self._stop()
+            self._stop(Broken("the gateway closed the host worker"), graceful=True)
 
-    def _ask(self, sock: socket.socket, request: object) -> object:
-        sock.settimeout(self.reply_timeout)
+    def _send(
+        self,
+        request: tuple[object, ...],
+        loop: asyncio.AbstractEventLoop,
+        reply: asyncio.Future[object],
+    ) -> None:
+        with self._lock:
+            sock = self._connected()
+            if sock is None:
+                raise Broken("no worker")
+            rid = next(self._ids)
+            if not self._waiting:
+                self._progress = time.monotonic()
+            self._waiting[rid] = (loop, reply)
+        try:  # not under the lock: the reader takes it for every reply while this waits
+            send_frame(sock, (rid, *request))
+        except OSError as exc:
+            with self._lock:
+                self._waiting.pop(rid, None)  # answered here: by this `Broken`
+                if self._sock is sock:
+                    self._failed(f"{type(exc).__name__}: {exc}")
+            raise Broken(str(exc)) from None
+
+    def _read(self, proc: subprocess.Popen[bytes], sock: socket.socket) -> None:
+        """The reader thread of one worker process (`sock`: its own handle on the socket,
+        with a short timeout): replies to their callers, log records to the loggers; the
+        worker declared failed when it breaks or stalls."""
         try:
-            send_frame(sock, request)
             while True:
-                kind, body = _pair(recv_frame(sock))
+                try:
+                    kind, rid, body = _triple(recv_frame(sock))
+                except TimeoutError:
+                    with self._lock:
+                        stalled = self._waiting and (
+                            time.monotonic() - self._progress > self.reply_timeout
+                        )
+                    if stalled:
+                        raise Broken(f"no answer in {self.reply_timeout:g} s") from None
+                    continue
                 if kind == "log":
                     _relog(body)
-                elif kind == "ok":
-                    return body
+                    continue
+                with self._lock:
+                    self._progress = time.monotonic()
+                    waiting = self._waiting.pop(rid, None)
+                if waiting is None:
+                    raise Broken(f"an answer to no request ({rid})")
+                if kind == "ok":
+                    _settle(waiting, body, None)
                 elif kind == "err":
-                    return _rebuilt(body)
+                    _settle(waiting, None, _rebuilt(body))
                 else:
                     raise Broken(f"an unknown frame {kind!r}")
-        except TimeoutError:
-            raise Broken(f"no answer in {self.reply_timeout:g} s") from None
-        except (OSError, pickle.UnpicklingError, EOFError, ValueError) as exc:
-            raise Broken(f"{type(exc).__name__}: {exc}") from None
+        except Exception as exc:  # a broken socket, a frame that does not unpickle, ...
+            with self._lock:
+                if self._proc is proc:  # not one stopped or replaced meanwhile
+                    self._failed(str(exc) if isinstance(exc, Broken) else repr(exc))
+        finally:
+            sock.close()
 
     def _connected(self) -> socket.socket | None:
-        if self._proc is not None and self._proc.poll() is None and self._sock is not None:
+        """The running worker's socket; a new worker when none runs (not while the last
+        failure's `retry_after` lasts). Under the lock."""
+        proc = self._proc
+        if proc is not None and proc.poll() is None and self._sock is not None:
             return self._sock
-        if self._proc is not None:
-            self._failed(f"it exited ({self._proc.returncode})")
+        if proc is not None:
+            self._failed(f"it exited ({proc.returncode})")
         if time.monotonic() < self._down_until:
             return None
         ours, theirs = socket.socketpair()
         try:
-            self._proc = subprocess.Popen(
+            proc = subprocess.Popen(
                 [sys.executable, "-m", __name__, str(theirs.fileno()), str(_level()), self.name],
                 pass_fds=(theirs.fileno(),),
                 stdin=subprocess.DEVNULL,
@@ -193,36 +250,73 @@ class HostWorker:
             return None
         finally:
             theirs.close()
-        self._sock = ours
+        ours.settimeout(self.reply_timeout)  # a send: the worker reads no more
+        reader = ours.dup()
+        reader.settimeout(min(1.0, self.reply_timeout))  # it checks for a stall
+        self._proc, self._sock = proc, ours
+        name = f"cellgate-host-worker-{proc.pid}"
+        threading.Thread(target=self._read, args=(proc, reader), name=name, daemon=True).start()
         return ours
 
     def _failed(self, why: str) -> None:
+        """Under the lock: the worker is stopped, its callers are answered `Broken` (they run
+        their host side in this process), and none is started for `retry_after`."""
         logger.warning(
             "host worker (F3): %s; the gateway runs new conversations' host side itself "
             "for %g s, then starts a new worker",
             why,
             self.retry_after,
         )
-        self._stop()
+        self._stop(Broken(why))
         self._down_until = time.monotonic() + self.retry_after
 
-    def _stop(self) -> None:
+    def _stop(self, why: Broken, *, graceful: bool = False) -> None:
+        """The worker gone (`graceful`: given 2 s to end on its own; else killed now), then
+        its callers answered `why`."""
         sock, proc = self._sock, self._proc
         self._sock = self._proc = None
         if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)  # the reader thread's recv returns
             sock.close()
         if proc is not None:
+            if not graceful:
+                proc.kill()
             try:
                 proc.wait(timeout=2)
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+        waiting, self._waiting = self._waiting, {}
+        for w in waiting.values():
+            _settle(w, None, why)
 
 
-def _pair(frame: object) -> tuple[str, Any]:
-    if not (isinstance(frame, tuple) and len(frame) == 2 and isinstance(frame[0], str)):
-        raise Broken("a frame that is not (kind, body)")
-    return frame[0], frame[1]
+def _settle(
+    waiting: tuple[asyncio.AbstractEventLoop, asyncio.Future[object]],
+    value: object,
+    error: BaseException | None,
+) -> None:
+    """A caller's future settled on its own loop (from any thread; a closed loop's caller is
+    gone)."""
+    loop, fut = waiting
+
+    def settle() -> None:
+        if fut.done():
+            return
+        if error is not None:
+            fut.set_exception(error)
+        else:
+            fut.set_result(value)
+
+    with contextlib.suppress(RuntimeError):
+        loop.call_soon_threadsafe(settle)
+
+
+def _triple(frame: object) -> tuple[str, int, Any]:
+    if not (isinstance(frame, tuple) and len(frame) == 3 and isinstance(frame[0], str)):
+        raise Broken("a frame that is not (kind, id, body)")
+    return frame[0], frame[1], frame[2]
 
 
 def _relog(fields: object) -> None:
@@ -279,7 +373,7 @@ class _Forward(logging.Handler):
         fields["exc_info"] = None
         fields = {k: v for k, v in fields.items() if _plain(v)}
         with contextlib.suppress(OSError):  # the gateway is gone: so is the reply
-            send_frame(self.sock, ("log", fields))
+            send_frame(self.sock, ("log", 0, fields))
 
 
 def _plain(value: object) -> bool:
@@ -300,20 +394,22 @@ def _portable(exc: BaseException) -> object:
 
 
 def serve(sock: socket.socket, run: Callable[..., object]) -> None:
-    """Answer requests on `sock` with `run(*request)` until the gateway closes it."""
+    """Answer requests `(id, *args)` on `sock` with `run(*args)`, in order, until the
+    gateway closes it."""
     while True:
         try:
             request = recv_frame(sock)
         except Broken:
             return
+        if not (isinstance(request, tuple) and request and isinstance(request[0], int)):
+            return  # not the gateway's: stop
+        rid, args = request[0], request[1:]
         try:
-            if not isinstance(request, tuple):
-                raise SandboxError("the host worker got a request that is not a tuple")
-            reply: tuple[str, object] = ("ok", run(*request))
+            reply: tuple[str, int, object] = ("ok", rid, run(*args))
         except Exception as exc:  # every failure goes back to the gateway
             if not isinstance(exc, CellgateError | OSError):
                 logger.exception("host worker (F3): host side failed")
-            reply = ("err", _portable(exc))
+            reply = ("err", rid, _portable(exc))
         try:
             send_frame(sock, reply)
         except OSError:
@@ -347,6 +443,7 @@ def main(argv: list[str]) -> None:
 
 
 WORKER = HostWorker()  # the gateway's (module-wide, as the lanes are)
+atexit.register(WORKER.close)
 
 
 if __name__ == "__main__":

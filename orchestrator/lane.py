@@ -17,13 +17,14 @@ backups, archives, engine calls (the backend's own threads), anything a
 background task does.
 
 A conversation's sandbox host side (its quota image taken and bound onto its
-dirs, the dirs made: `ConversationSandboxes.spec_for`) runs on a second such
-thread, the host lane: mostly mount and inode work in the kernel, the largest
-share of a new conversation's lane time, it runs beside the store writes and
-files of the other turns instead of in their queue. Measured with 64 new
-conversations at once, 12 bursts each way interleaved: the event loop's lag
-p99 had a median of 8 ms against 26 ms with it on the turn lane, the burst's
-p99 the same (benchmarks/README.md).
+dirs, the dirs made: `ConversationSandboxes.spec_for`) goes through a second
+such thread, the host lane: mostly mount and inode work in the kernel, the
+largest share of a new conversation's lane time, it runs beside the store
+writes and files of the other turns instead of in their queue (measured with
+64 new conversations at once: the event loop's lag p99 had a median of 8 ms
+against 26 ms with it on the turn lane). The lane only hands it to the host
+worker, a process of its own (`orchestrator.host_worker`), and runs it itself
+when that worker cannot be had.
 """
 
 from __future__ import annotations

@@ -23,7 +23,6 @@ from orchestrator.config import GatewaySettings
 from orchestrator.conversations import ConversationPaths, conversation_paths
 from orchestrator.host_side import host_side
 from orchestrator.host_worker import WORKER
-from orchestrator.lane import in_host_lane
 from orchestrator.placement import Placement
 from orchestrator.store.messages import conversation_id
 from policies.secrets import env_entry
@@ -162,36 +161,33 @@ class ConversationSandboxes:
         uid, gid = (int(x) for x in user.split(":"))
         paths = conversation_paths(self.app.agent_root, self.app.workspace, key, session_id)
 
-        def prepare(quick: bool) -> SandboxSpec:
-            if quick:  # F3: in the host worker, a process with its own interpreter lock
-                plan = WORKER.host_side(self.quota, agent, digest, paths, root, owner, True)
-            else:
-                plan = host_side(self.quota, agent, digest, paths, root, owner, False)
-            return SandboxSpec(
-                name=sandbox_name(self.app.name, digest, gateway=self.gateway_id),
-                image=self.app.image,
-                image_id=image.id,
-                user=user,
-                env=sandbox_env(image.env, self.app.environment),
-                networks=self.app.networks,
-                plan=plan,
-                limits=limits_from(self.settings),
-                runtime=self.settings.runtime,
-                app=self.app.name,
-                agent=agent,
-                conversation=conversation_id(key),
-                gateway=self.gateway_id,
-            )
-
         agent, digest, root, owner = self.app.agent, key.digest, self.app.agent_root, (uid, gid)
-        # on the host lane (orchestrator.lane), quick: anything that may take long (a quota
-        # image to make or mount, its lock held, data to move in) is `Busy` there and done
-        # on the default executor, in this process, so that it never queues every new
-        # conversation behind it (F3)
+        # quick, in the host worker (a process with its own interpreter lock, F3): anything
+        # that may take long (a quota image to make or mount, its lock held, data to move
+        # in) is `Busy` there and done on the default executor, in this process, so that it
+        # never queues every new conversation behind it
         try:
-            return await in_host_lane(prepare, True), paths
+            plan = await WORKER.host_side(self.quota, agent, digest, paths, root, owner)
         except Busy:
-            return await asyncio.to_thread(prepare, False), paths
+            plan = await asyncio.to_thread(
+                host_side, self.quota, agent, digest, paths, root, owner, False
+            )
+        spec = SandboxSpec(
+            name=sandbox_name(self.app.name, digest, gateway=self.gateway_id),
+            image=self.app.image,
+            image_id=image.id,
+            user=user,
+            env=sandbox_env(image.env, self.app.environment),
+            networks=self.app.networks,
+            plan=plan,
+            limits=limits_from(self.settings),
+            runtime=self.settings.runtime,
+            app=self.app.name,
+            agent=agent,
+            conversation=conversation_id(key),
+            gateway=self.gateway_id,
+        )
+        return spec, paths
 
     async def ensure(self, key: ConversationKey, session_id: str) -> PreparedSandbox:
         if self.quota_refusal is not None:

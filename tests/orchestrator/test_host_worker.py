@@ -7,11 +7,14 @@ conversation without a quota still makes its dirs and plans its mounts.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import signal
+import socket
+import struct
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -20,7 +23,8 @@ from cellgate.errors import ConversationError
 from cellgate.models import ConversationKey
 from orchestrator.conversations import ConversationPaths, conversation_paths
 from orchestrator.host_side import host_side
-from orchestrator.host_worker import HostWorker
+from orchestrator.host_worker import MAX_FRAME, Broken, HostWorker, recv_frame
+from sandbox.mountplan import MountPlan
 from tests.support.run_id import RUN_ID
 
 OWNER = (os.getuid(), os.getgid())
@@ -42,8 +46,14 @@ def _paths(tmp_path: Path, chat: str) -> tuple[ConversationPaths, Path]:
     return conversation_paths(agent_root, workspace, key, f"s-{chat}"), agent_root
 
 
-def _run(w: HostWorker, paths: ConversationPaths, root: Path) -> object:
-    return w.host_side(None, "bot", "d" * 16, paths, root, OWNER, True)
+async def _run(w: HostWorker, paths: ConversationPaths, root: Path) -> object:
+    return await w.host_side(None, "bot", "d" * 16, paths, root, OWNER)
+
+
+def _until(cond: Callable[[], bool]) -> None:
+    deadline = time.monotonic() + 10
+    while not cond() and time.monotonic() < deadline:
+        time.sleep(0.01)
 
 
 def _alive(pid: int) -> bool:
@@ -54,13 +64,13 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def test_F3_M3_S3_the_worker_makes_the_dirs_and_plans_as_the_gateway_would(
+async def test_F3_M3_S3_the_worker_makes_the_dirs_and_plans_as_the_gateway_would(
     worker: HostWorker, tmp_path: Path
 ) -> None:
     """The same plan as `host_side` run here (dev/inode of the same dirs and files), from a
     process that is not this one, which is named with its owner's run id."""
     paths, root = _paths(tmp_path, "a")
-    plan = _run(worker, paths, root)
+    plan = await _run(worker, paths, root)
     assert worker.pid is not None and worker.pid != os.getpid()
     cmdline = Path(f"/proc/{worker.pid}/cmdline").read_bytes().split(b"\0")
     assert b"orchestrator.host_worker" in cmdline and RUN_ID.encode() in cmdline
@@ -70,7 +80,7 @@ def test_F3_M3_S3_the_worker_makes_the_dirs_and_plans_as_the_gateway_would(
     assert plan == host_side(None, "bot", "d" * 16, paths, root, OWNER, True)
 
 
-def test_F3_R3_the_workers_log_records_are_logged_by_the_gateway(
+async def test_F3_R3_the_workers_log_records_are_logged_by_the_gateway(
     worker: HostWorker, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     """A planted USER.md link is left out in the worker; its warning reaches this process's
@@ -79,7 +89,7 @@ def test_F3_R3_the_workers_log_records_are_logged_by_the_gateway(
     paths.chat_dir.mkdir(parents=True)
     (paths.chat_dir / "USER.md").symlink_to("/etc/shadow")
     with caplog.at_level(logging.INFO):
-        _run(worker, paths, root)
+        await _run(worker, paths, root)
     mine = [r for r in caplog.records if "USER.md" in r.getMessage()]
     assert mine, [r.getMessage() for r in caplog.records]
     assert {r.process for r in mine} == {worker.pid}
@@ -87,7 +97,7 @@ def test_F3_R3_the_workers_log_records_are_logged_by_the_gateway(
     assert (paths.chat_dir / "USER.md").is_symlink()  # left as it was
 
 
-def test_F3_an_error_in_the_worker_is_raised_here_as_the_same_exception(
+async def test_F3_an_error_in_the_worker_is_raised_here_as_the_same_exception(
     worker: HostWorker, tmp_path: Path
 ) -> None:
     paths, root = _paths(tmp_path, "c")
@@ -95,63 +105,91 @@ def test_F3_an_error_in_the_worker_is_raised_here_as_the_same_exception(
     with pytest.raises(ConversationError) as here:
         host_side(None, "bot", "d" * 16, paths, root, OWNER, True)
     with pytest.raises(ConversationError) as there:
-        _run(worker, paths, root)
+        await _run(worker, paths, root)
     assert worker.pid is not None  # it answered: the error was the host side's
     assert str(there.value) == str(here.value)
     assert there.value.reason == here.value.reason
     assert not list(tmp_path.glob("*/MEMORY.md"))
 
 
-def test_F3_a_dead_worker_is_done_without_and_replaced_after_the_wait(
+async def test_F3_a_dead_worker_is_done_without_and_replaced_after_the_wait(
     worker: HostWorker, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     paths, root = _paths(tmp_path, "d")
-    want = _run(worker, paths, root)
+    want = await _run(worker, paths, root)
     first = worker.pid
     assert first is not None
-    os.kill(first, signal.SIGKILL)
-    while _alive(first) and Path(f"/proc/{first}/stat").read_text().split()[2] != "Z":
-        time.sleep(0.01)
     with caplog.at_level(logging.WARNING):
-        assert _run(worker, paths, root) == want  # done here meanwhile: nothing lost
+        os.kill(first, signal.SIGKILL)
+        _until(lambda: worker.pid is None)  # its reader saw it go
+        assert await _run(worker, paths, root) == want  # done here meanwhile: nothing lost
     assert worker.pid is None
+    assert not _alive(first)  # reaped
     assert any("host worker (F3)" in r.getMessage() for r in caplog.records)
     time.sleep(0.3)  # its retry_after
-    assert _run(worker, paths, root) == want
+    assert await _run(worker, paths, root) == want
     assert worker.pid is not None and worker.pid != first
 
 
-def test_F3_a_hung_worker_is_killed_after_the_reply_timeout(tmp_path: Path) -> None:
+async def test_F3_a_hung_worker_is_killed_after_the_reply_timeout(tmp_path: Path) -> None:
     w = HostWorker(RUN_ID, reply_timeout=0.5, retry_after=60)
     try:
         paths, root = _paths(tmp_path, "e")
-        want = _run(w, paths, root)
+        want = await _run(w, paths, root)
         hung = w.pid
         assert hung is not None
         os.kill(hung, signal.SIGSTOP)
-        assert _run(w, paths, root) == want
+        assert await _run(w, paths, root) == want
         assert not _alive(hung)  # killed and reaped
         assert w.pid is None  # and not started again before retry_after
     finally:
         w.close()
 
 
-def test_F3_the_worker_ends_when_the_gateway_closes_it(worker: HostWorker, tmp_path: Path) -> None:
+async def test_F3_the_worker_ends_when_the_gateway_closes_it(
+    worker: HostWorker, tmp_path: Path
+) -> None:
     paths, root = _paths(tmp_path, "f")
-    _run(worker, paths, root)
+    await _run(worker, paths, root)
     pid = worker.pid
     assert pid is not None
     worker.close()
     assert not _alive(pid)
 
 
-def test_K1_the_worker_gets_none_of_the_gateways_secrets(
+async def test_K1_the_worker_gets_none_of_the_gateways_secrets(
     worker: HostWorker, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("TELEGRAM_BOT_TOKEN", "123:secret-of-the-gateway")
     paths, root = _paths(tmp_path, "g")
-    _run(worker, paths, root)
+    await _run(worker, paths, root)
     assert worker.pid is not None
     environ = Path(f"/proc/{worker.pid}/environ").read_bytes()
     assert b"secret-of-the-gateway" not in environ
     assert b"TELEGRAM_BOT_TOKEN" not in environ
+
+
+async def test_F3_requests_in_flight_at_once_each_get_their_own_answer(
+    worker: HostWorker, tmp_path: Path
+) -> None:
+    """Sent without waiting for the one before: 24 conversations' host sides at once, each
+    caller answered with its own conversation's plan (its own dirs' inodes)."""
+    convs = [_paths(tmp_path, f"many-{i}") for i in range(24)]
+    plans = await asyncio.gather(*(_run(worker, p, r) for p, r in convs))
+    for (paths, _), plan in zip(convs, plans, strict=True):
+        assert isinstance(plan, MountPlan)
+        chat = os.stat(paths.chat_dir)
+        [mount] = [m for m in plan.mounts if m.source == str(paths.chat_dir)]
+        assert (mount.dev, mount.ino) == (chat.st_dev, chat.st_ino)
+
+
+def test_F3_a_frame_too_big_or_cut_short_is_a_broken_worker_not_a_read_of_it() -> None:
+    a, b = socket.socketpair()
+    with a, b:
+        a.sendall(struct.pack("!I", MAX_FRAME + 1))
+        with pytest.raises(Broken, match="frame"):
+            recv_frame(b)
+        a.sendall(struct.pack("!I", 100) + b"short")
+        a.shutdown(socket.SHUT_WR)
+        with pytest.raises(Broken, match="closed"):
+            recv_frame(b)
