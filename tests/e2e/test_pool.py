@@ -27,7 +27,7 @@ import pytest
 from cellgate.models import ConversationKey
 from orchestrator.apps import install_app
 from orchestrator.config import write_config_document
-from orchestrator.pool import REFILL_DEFER, WarmPool
+from orchestrator.pool import CLAIMS_AT_ONCE, REFILL_DEFER, WarmPool
 from orchestrator.store.db import Database
 from sandbox.backends.base import SandboxInfo
 from sandbox.backends.docker import DockerBackend
@@ -368,7 +368,8 @@ def test_F3_burst_of_new_conversations_blocks_no_loop_and_bounds_engine_calls(
     """F3: new conversations at once are each answered from a sandbox of their own,
     while no blocking call runs on the gateway's event loop (fsync, sleep, a
     subprocess, the store's sqlite) and the engine never sees more calls at once
-    than the backend's bounded workers. Time is measured in benchmarks/, not here."""
+    than the backend's bounded workers, nor the pool more claims than `CLAIMS_AT_ONCE`.
+    Time is measured in benchmarks/, not here."""
     on_loop: list[str] = []
     seen: set[str] = set()
 
@@ -412,6 +413,24 @@ def test_F3_burst_of_new_conversations_blocks_no_loop_and_bounds_engine_calls(
                 in_flight[0] -= 1
 
     monkeypatch.setattr(api, "request", request)
+    pool = pool_of(live)
+    claiming, claims, claim_peak = [0], [0], [0]
+    real_claim = pool.ops.bind_and_check
+
+    async def bind_and_check(*args: Any, **kwargs: Any) -> Any:  # on the loop: no lock
+        claiming[0] += 1
+        claims[0] += 1
+        claim_peak[0] = max(claim_peak[0], claiming[0])
+        try:
+            await asyncio.sleep(0.2)  # long enough that the burst's claims would overlap
+            return await real_claim(*args, **kwargs)
+        finally:
+            claiming[0] -= 1
+
+    monkeypatch.setattr(pool.ops, "bind_and_check", bind_and_check)
+    pooled = pool.refusal is None  # under runsc the host cannot late-bind: all cold
+    if pooled:
+        wait_ready(live, POOL["size"])  # two claims at least, that could overlap
     chats = [f"burst-{i}" for i in range(BURST)]
     with concurrent.futures.ThreadPoolExecutor(BURST) as ex:
         replies = list(ex.map(lambda c: live.run(c, f"echo '<{c}>'; hostname"), chats))
@@ -426,6 +445,11 @@ def test_F3_burst_of_new_conversations_blocks_no_loop_and_bounds_engine_calls(
     assert {"read", "write"} <= seen
     assert on_loop == [], f"blocking calls on the event loop: {sorted(set(on_loop))}"
     assert 0 < peak[0] <= bound, (peak[0], bound)
+    # a claim is Python work on an engine thread: a burst's go one at a time
+    if pooled:
+        assert claims[0] >= POOL["size"] and claim_peak[0] == CLAIMS_AT_ONCE, (claims, claim_peak)
+    else:
+        assert claims[0] == 0
 
 
 def asyncio_running() -> bool:
