@@ -51,6 +51,7 @@ from cellgate.errors import CellgateError, SandboxError
 from orchestrator.conversations import ConversationPaths
 from orchestrator.host_side import QuotaRef, Quotas, host_side, quota_ref
 from orchestrator.lane import in_host_lane
+from orchestrator.spare_quota import SparedQuota
 from sandbox.mountplan import MountPlan
 from sandbox.quota import LoopQuota
 
@@ -145,9 +146,10 @@ class HostWorker:
         """`orchestrator.host_side.host_side`, quick, run by the worker; on the host lane
         when it cannot be. Raises what `host_side` raises (`Busy` for anything slow)."""
         ref = quota_ref(quota) if quota is not None else None
+        hint = quota.known(agent) if isinstance(quota, SparedQuota) else ()
         loop = asyncio.get_running_loop()
         reply: asyncio.Future[object] = loop.create_future()
-        request = (ref, agent, digest, paths, agent_root, owner, True)
+        request = (ref, agent, digest, paths, agent_root, owner, True, hint)
         try:
             await in_host_lane(self._send, request, loop, reply)
             answer = await reply
@@ -425,8 +427,11 @@ def _run(quotas: Quotas) -> Callable[..., MountPlan]:
         agent_root: Path,
         owner: tuple[int, int],
         quick: bool,
+        hint: tuple[str, ...],
     ) -> MountPlan:
         quota = quotas.get(ref) if ref is not None else None
+        if isinstance(quota, SparedQuota):  # the spares the gateway made: no listing for them
+            quota.hint(agent, hint)
         return host_side(quota, agent, digest, paths, agent_root, owner, quick)
 
     return run

@@ -178,9 +178,9 @@ class WarmPool:
             self.cold.put(conv, True)
             return None
         # F3: a claim is Python work on an engine thread (the binds, the inspects, the
-        # mount table), so a burst's claims go one at a time: eight at once kept every
-        # thread wanting the interpreter lock, and the event loop waited (lag p99 20-56 ms
-        # in a burst of 64, 6-10 ms one at a time, the burst's p99 no worse)
+        # mount table), so a burst's claims go one at a time: eight (or two) at once kept
+        # every thread wanting the interpreter lock, and the event loop waited (its lag p99
+        # up to 47 (56) ms in bursts of 64, 6-10 ms one at a time, the burst's p99 no worse)
         async with self._claims:
             if mine is None and await self.ops.exists(spec.name):
                 self.cold.put(conv, True)  # its own sandbox from before the pool: keep it

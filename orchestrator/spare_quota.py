@@ -22,7 +22,9 @@ A take does not list the agent's directory (it also holds every conversation's
 image, mount and lock: a listing grows with the conversations, F3): the names
 of spares this process listed or made are kept, taken from the front, and the
 directory is listed again only when they run out. A kept name that is gone or
-no longer fits is skipped, as a listed one would be.
+no longer fits is skipped, as a listed one would be. The host worker
+(`orchestrator.host_worker`), whose quota object makes no spares, is sent the
+gateway's names with each request (`known`, `hint`) and skips those it tried.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ import secrets
 import threading
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from cellgate.errors import QuotaError
@@ -57,6 +59,7 @@ PENDING = re.compile(r"pending-[0-9a-f]{16}\.img")
 LOCK = "spares.lock"
 LIMITS = "limits"  # in the spare's markers dir: the limits it was made for
 STALE_PENDING = 600.0  # seconds: a pending spare this old was left by a crash
+TRIED_KEPT = 4096  # spare names tried, not offered again by a `hint`
 DELETED = " (deleted)"  # how the kernel names a loop device's backing file once unlinked
 
 
@@ -88,6 +91,7 @@ class SparedQuota(LoopQuota):
         self.count = count
         self._known: dict[str, deque[str]] = {}  # agent -> spare names, oldest first
         self._known_lock = threading.Lock()
+        self._tried: deque[str] = deque(maxlen=TRIED_KEPT)  # names this process tried
 
     def _adopt(self, agent: str, digest: str, wait: float | None) -> bool:
         """Under the conversation's lock (`LoopQuota.ensure`), the spares' lock while a
@@ -120,6 +124,21 @@ class SparedQuota(LoopQuota):
             self._known[agent] = deque(names)
         return names
 
+    def known(self, agent: str) -> tuple[str, ...]:
+        """The names of `agent`'s spares this process made or listed and has not taken."""
+        with self._known_lock:
+            return tuple(self._known.get(agent, ()))
+
+    def hint(self, agent: str, names: Iterable[str]) -> None:
+        """Spare names another process knows of (the gateway's `known`, in the host worker),
+        kept to try before the directory is listed, but none this process tried already (F3:
+        the worker's takes do not list the agent's directory, which grows with its
+        conversations, every time its own names run out)."""
+        with self._known_lock:
+            known = self._known.setdefault(agent, deque())
+            skip = set(known).union(self._tried)
+            known.extend(n for n in names if n not in skip)
+
     def _candidates(self, agent: str) -> Iterator[str]:
         """Spare names to try, from the kept ones; the directory once they run out."""
         listed = False
@@ -127,6 +146,8 @@ class SparedQuota(LoopQuota):
             with self._known_lock:
                 known = self._known.get(agent)
                 name = known.popleft() if known else None
+                if name is not None:
+                    self._tried.append(name)
             if name is not None:
                 yield name
             elif listed:

@@ -318,3 +318,31 @@ def test_F1_F3_R2_a_spares_take_makes_only_what_the_conversation_needs(
         "migrated-media-tg-a",
     ]
     assert len(list((markers / "spare").iterdir())) > 0  # the spare's own held inodes
+
+
+def test_F1_F3_a_take_tries_the_gateways_spare_names_before_listing_the_agents_dir(
+    spared: SparedQuota, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The host worker's quota object made no spare itself: the gateway's names, sent as a
+    hint, are taken without a listing of the agent's directory (it grows with every
+    conversation, F3); a hinted name it already took is not tried again."""
+    assert spared.refill(AGENT, 2) == 2
+    names = spared.known(AGENT)
+    assert len(names) == 2
+    worker = SparedQuota(LoopQuota(spared.root, spared.limits), 0)  # as the worker has it
+    listed: list[str] = []
+    real = os.scandir
+
+    def scandir(path: object = ".") -> object:
+        listed.append(str(path))
+        return real(path)  # type: ignore[call-overload]
+
+    monkeypatch.setattr(os, "scandir", scandir)
+    convs = [conv(worker, tmp_path, "a"), conv(worker, tmp_path, "b")]
+    for c in convs:
+        worker.hint(AGENT, names)  # the gateway's names, the taken one still among them
+        worker.ensure(AGENT, c.digest, c.targets, OWNER, quick=True)
+    monkeypatch.undo()
+    assert str(spared.root / AGENT) not in listed
+    assert all(worker.image(AGENT, c.digest).exists() for c in convs)
+    assert spared.spares(AGENT) == 0  # both taken, one each
