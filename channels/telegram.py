@@ -30,6 +30,7 @@ import hmac
 import logging
 import mimetypes
 import os
+import re
 import time
 import warnings
 from collections.abc import Awaitable, Callable
@@ -75,6 +76,34 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+
+_BOT_API_TOKEN = re.compile(r"bot\d+:[A-Za-z0-9_-]+")
+
+
+class RedactBotTokens(logging.Filter):
+    """A Bot API URL carries the token, and libraries log URLs (W6).
+
+    httpx logs each request's URL at INFO; `telegram.Bot` logs its base URLs at
+    DEBUG. A logger's filter sees only the records made on that very logger, so
+    this is installed on each of them when this module is imported: no handler an
+    operator adds (or `-v`) ever writes a token, only `.../bot<token>/getUpdates`.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        text = record.getMessage()
+        if _BOT_API_TOKEN.search(text):
+            record.msg, record.args = _BOT_API_TOKEN.sub("bot<token>", text), None
+        return True
+
+
+def _install_redaction(names: tuple[str, ...] = ("httpx", "telegram.Bot")) -> None:
+    for name in names:
+        target = logging.getLogger(name)
+        if not any(isinstance(f, RedactBotTokens) for f in target.filters):
+            target.addFilter(RedactBotTokens())
+
+
+_install_redaction()
 
 TELEGRAM_TEXT_LIMIT = 4096
 CAPTION_LIMIT = 1024

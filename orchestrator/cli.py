@@ -421,6 +421,9 @@ def main(argv: list[str] | None = None) -> int:
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(levelname)s %(name)s: %(message)s",
     )
+    # one line per Bot API request (a long poll every few seconds) is noise, not news;
+    # its URLs are redacted either way (channels.telegram.RedactBotTokens, W6)
+    logging.getLogger("httpx").setLevel(logging.DEBUG if args.verbose else logging.WARNING)
     try:
         code: int = args.func(args)
     except CellgateError as exc:

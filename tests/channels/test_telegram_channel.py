@@ -7,6 +7,7 @@ recording inbound handler in place of the gateway.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -374,3 +375,23 @@ async def test_W1_a_refused_token_stops_start_up_an_unreachable_telegram_does_no
         assert down._poller is not None and not down._poller.done()
     finally:
         await down.stop()
+
+
+async def test_W6_no_log_record_ever_carries_the_token_httpx_lines_are_redacted(
+    tg: TelegramStandin, store: Store, caplog: pytest.LogCaptureFixture
+) -> None:
+    """httpx logs each Bot API URL at INFO; the token in it must never reach a handler."""
+    caplog.set_level(logging.DEBUG)
+    ch = make_channel(tg, store)
+    try:
+        await ch.ready()
+        await ch.send(reply("7401", "w6-log", "hello"))
+        with pytest.raises(ChannelFailed):
+            await ch.download("no-such-file")
+    finally:
+        await ch.stop()
+    lines = [caplog.handler.format(r) for r in caplog.records]
+    httpx_lines = [line for line in lines if "HTTP Request" in line]
+    assert any("/bot<token>/sendMessage" in line for line in httpx_lines), lines
+    assert any("Set Bot API URL" in line and "/bot<token>" in line for line in lines), lines
+    assert not [line for line in lines if TOKEN in line or TOKEN.split(":")[1] in line]
