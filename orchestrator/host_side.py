@@ -73,20 +73,25 @@ class Quotas:
         return quota
 
 
-def host_side(
-    quota: LoopQuota | None,
-    agent: str,
-    digest: str,
-    paths: ConversationPaths,
-    agent_root: Path,
-    owner: tuple[int, int],
-    quick: bool,
-) -> MountPlan:
+@dataclass(frozen=True, slots=True)
+class HostJob:
+    """One conversation's host side, as plain values (it crosses to the worker)."""
+
+    agent: str
+    digest: str
+    paths: ConversationPaths
+    agent_root: Path
+    owner: tuple[int, int]  # uid, gid of the sandbox's user
+
+
+def host_side(quota: LoopQuota | None, job: HostJob, *, quick: bool) -> MountPlan:
     """The conversation's quota image on its dirs (R2), its dirs made (M3) and its mounts
     planned (S3). Blocking; `quick` as `LoopQuota.ensure` (raises `Busy`)."""
+    paths = job.paths
     if quota is not None:
-        quota.ensure(agent, digest, quota_targets(paths, agent_root), owner, quick=quick)
-    ensure_conversation(paths, *owner)
+        targets = quota_targets(paths, job.agent_root)
+        quota.ensure(job.agent, job.digest, targets, job.owner, quick=quick)
+    ensure_conversation(paths, *job.owner)
     snap = scan_workspace(paths.workspace)
     own = own_dirs(paths.chat_dir, paths.media_dir, paths.home_dir, paths.bridge_dir)
     return plan_mounts(snap, own)

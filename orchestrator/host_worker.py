@@ -48,8 +48,7 @@ from pathlib import Path
 from typing import Any
 
 from cellgate.errors import CellgateError, SandboxError
-from orchestrator.conversations import ConversationPaths
-from orchestrator.host_side import QuotaRef, Quotas, host_side, quota_ref
+from orchestrator.host_side import HostJob, QuotaRef, Quotas, host_side, quota_ref
 from orchestrator.lane import in_host_lane
 from orchestrator.spare_quota import SparedQuota
 from sandbox.mountplan import MountPlan
@@ -134,29 +133,18 @@ class HostWorker:
         with self._lock:
             self._connected()
 
-    async def host_side(
-        self,
-        quota: LoopQuota | None,
-        agent: str,
-        digest: str,
-        paths: ConversationPaths,
-        agent_root: Path,
-        owner: tuple[int, int],
-    ) -> MountPlan:
+    async def host_side(self, quota: LoopQuota | None, job: HostJob) -> MountPlan:
         """`orchestrator.host_side.host_side`, quick, run by the worker; on the host lane
         when it cannot be. Raises what `host_side` raises (`Busy` for anything slow)."""
         ref = quota_ref(quota) if quota is not None else None
-        hint = quota.known(agent) if isinstance(quota, SparedQuota) else ()
+        hint = quota.known(job.agent) if isinstance(quota, SparedQuota) else ()
         loop = asyncio.get_running_loop()
         reply: asyncio.Future[object] = loop.create_future()
-        request = (ref, agent, digest, paths, agent_root, owner, True, hint)
         try:
-            await in_host_lane(self._send, request, loop, reply)
+            await in_host_lane(self._send, (ref, job, hint), loop, reply)
             answer = await reply
         except Broken:
-            return await in_host_lane(
-                host_side, quota, agent, digest, paths, agent_root, owner, True
-            )
+            return await in_host_lane(host_side, quota, job, quick=True)
         if not isinstance(answer, MountPlan):
             raise SandboxError(f"the host worker answered a {type(answer).__name__}")
         return answer
@@ -419,20 +407,11 @@ def serve(sock: socket.socket, run: Callable[..., object]) -> None:
 
 
 def _run(quotas: Quotas) -> Callable[..., MountPlan]:
-    def run(
-        ref: QuotaRef | None,
-        agent: str,
-        digest: str,
-        paths: ConversationPaths,
-        agent_root: Path,
-        owner: tuple[int, int],
-        quick: bool,
-        hint: tuple[str, ...],
-    ) -> MountPlan:
+    def run(ref: QuotaRef | None, job: HostJob, hint: tuple[str, ...]) -> MountPlan:
         quota = quotas.get(ref) if ref is not None else None
         if isinstance(quota, SparedQuota):  # the spares the gateway made: no listing for them
-            quota.hint(agent, hint)
-        return host_side(quota, agent, digest, paths, agent_root, owner, quick)
+            quota.hint(job.agent, hint)
+        return host_side(quota, job, quick=True)  # anything slow is the gateway's (`Busy`)
 
     return run
 

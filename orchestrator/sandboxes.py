@@ -14,6 +14,7 @@ import logging
 from collections.abc import Mapping
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Protocol
 
 from cellgate.errors import QuotaError
@@ -21,7 +22,7 @@ from cellgate.models import ConversationKey
 from orchestrator.apps import InstalledApp
 from orchestrator.config import GatewaySettings
 from orchestrator.conversations import ConversationPaths, conversation_paths
-from orchestrator.host_side import host_side
+from orchestrator.host_side import HostJob, host_side
 from orchestrator.host_worker import WORKER
 from orchestrator.placement import Placement
 from orchestrator.store.messages import conversation_id
@@ -161,19 +162,17 @@ class ConversationSandboxes:
         uid, gid = (int(x) for x in user.split(":"))
         paths = conversation_paths(self.app.agent_root, self.app.workspace, key, session_id)
 
-        agent, digest, root, owner = self.app.agent, key.digest, self.app.agent_root, (uid, gid)
+        job = HostJob(self.app.agent, key.digest, paths, self.app.agent_root, (uid, gid))
         # quick, in the host worker (a process with its own interpreter lock, F3): anything
         # that may take long (a quota image to make or mount, its lock held, data to move
         # in) is `Busy` there and done on the default executor, in this process, so that it
         # never queues every new conversation behind it
         try:
-            plan = await WORKER.host_side(self.quota, agent, digest, paths, root, owner)
+            plan = await WORKER.host_side(self.quota, job)
         except Busy:
-            plan = await asyncio.to_thread(
-                host_side, self.quota, agent, digest, paths, root, owner, False
-            )
+            plan = await asyncio.to_thread(partial(host_side, self.quota, job, quick=False))
         spec = SandboxSpec(
-            name=sandbox_name(self.app.name, digest, gateway=self.gateway_id),
+            name=sandbox_name(self.app.name, key.digest, gateway=self.gateway_id),
             image=self.app.image,
             image_id=image.id,
             user=user,
@@ -183,7 +182,7 @@ class ConversationSandboxes:
             limits=limits_from(self.settings),
             runtime=self.settings.runtime,
             app=self.app.name,
-            agent=agent,
+            agent=self.app.agent,
             conversation=conversation_id(key),
             gateway=self.gateway_id,
         )

@@ -22,7 +22,7 @@ import pytest
 from cellgate.errors import ConversationError
 from cellgate.models import ConversationKey
 from orchestrator.conversations import ConversationPaths, conversation_paths
-from orchestrator.host_side import host_side
+from orchestrator.host_side import HostJob, host_side
 from orchestrator.host_worker import MAX_FRAME, Broken, HostWorker, recv_frame
 from sandbox.mountplan import MountPlan
 from tests.support.run_id import RUN_ID
@@ -46,8 +46,12 @@ def _paths(tmp_path: Path, chat: str) -> tuple[ConversationPaths, Path]:
     return conversation_paths(agent_root, workspace, key, f"s-{chat}"), agent_root
 
 
+def _job(paths: ConversationPaths, root: Path) -> HostJob:
+    return HostJob("bot", "d" * 16, paths, root, OWNER)
+
+
 async def _run(w: HostWorker, paths: ConversationPaths, root: Path) -> object:
-    return await w.host_side(None, "bot", "d" * 16, paths, root, OWNER)
+    return await w.host_side(None, _job(paths, root))
 
 
 def _until(cond: Callable[[], bool]) -> None:
@@ -77,7 +81,7 @@ async def test_F3_M3_S3_the_worker_makes_the_dirs_and_plans_as_the_gateway_would
     for d in (paths.chat_dir, paths.media_dir, paths.home_dir, paths.bridge_dir):
         assert d.is_dir() and not d.is_symlink()
     assert (paths.chat_dir / "MEMORY.md").read_text() == ""
-    assert plan == host_side(None, "bot", "d" * 16, paths, root, OWNER, True)
+    assert plan == host_side(None, _job(paths, root), quick=True)
 
 
 async def test_F3_R3_the_workers_log_records_are_logged_by_the_gateway(
@@ -103,7 +107,7 @@ async def test_F3_an_error_in_the_worker_is_raised_here_as_the_same_exception(
     paths, root = _paths(tmp_path, "c")
     (paths.workspace / "chats").symlink_to(tmp_path)  # a planted link on the way
     with pytest.raises(ConversationError) as here:
-        host_side(None, "bot", "d" * 16, paths, root, OWNER, True)
+        host_side(None, _job(paths, root), quick=True)
     with pytest.raises(ConversationError) as there:
         await _run(worker, paths, root)
     assert worker.pid is not None  # it answered: the error was the host side's
