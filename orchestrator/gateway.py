@@ -46,7 +46,7 @@ from orchestrator.cron.agents import agent_facts, agent_workdir
 from orchestrator.delivery import GatewayOutbox, ReplyDelivery, read_from_store
 from orchestrator.harnesses.base import TurnResult
 from orchestrator.heartbeats import Heartbeats
-from orchestrator.host_worker import WORKER
+from orchestrator.host_worker import CLAIMER, WORKER
 from orchestrator.intake import Intake
 from orchestrator.lane import in_host_lane
 from orchestrator.metrics import Metrics
@@ -224,7 +224,8 @@ class Gateway:
             *(asyncio.create_task(supervised("pool", p.run_forever)) for p in self.pools.pools),
         ]
         if self.pools.pools:  # F3: its imports done before the pool's first claim
-            self._background.append(asyncio.create_task(in_host_lane(WORKER.start)))
+            for worker in (WORKER, CLAIMER):
+                self._background.append(asyncio.create_task(in_host_lane(worker.start)))
         self.pools.spawn = lambda pool: self._background.append(
             asyncio.create_task(supervised("pool", pool.run_forever))
         )

@@ -43,14 +43,17 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
 from cellgate.errors import CellgateError, SandboxError
-from orchestrator.host_side import HostJob, QuotaRef, Quotas, host_side, quota_ref
+from orchestrator.host_side import HostJob, Quotas, host_side, quota_ref
 from orchestrator.lane import in_host_lane
 from orchestrator.spare_quota import SparedQuota
+from sandbox.backends.docker_pool import ClaimJob, claim_side
+from sandbox.backends.engine_http import EngineHTTP, EngineRef
 from sandbox.mountplan import MountPlan
 from sandbox.quota import LoopQuota
 
@@ -58,6 +61,7 @@ logger = logging.getLogger(__name__)
 
 REPLY_TIMEOUT = 60.0  # seconds for one host side (a quick one takes milliseconds)
 RETRY_AFTER = 30.0  # seconds in this process after the worker failed
+ENGINES_KEPT = 4  # engine connections a worker keeps (one per engine in use)
 MAX_FRAME = 16 << 20
 _HEADER = struct.Struct("!I")
 _PACKAGES = str(Path(__file__).resolve().parent.parent)  # where `orchestrator` is found
@@ -65,6 +69,10 @@ _PACKAGES = str(Path(__file__).resolve().parent.parent)  # where `orchestrator` 
 
 class Broken(Exception):
     """The worker or its socket failed (not the host side it ran)."""
+
+
+class NotSent(Broken):
+    """No worker to send the request to: nothing of it was done."""
 
 
 def send_frame(sock: socket.socket, value: object) -> None:
@@ -138,16 +146,39 @@ class HostWorker:
         when it cannot be. Raises what `host_side` raises (`Busy` for anything slow)."""
         ref = quota_ref(quota) if quota is not None else None
         hint = quota.known(job.agent) if isinstance(quota, SparedQuota) else ()
-        loop = asyncio.get_running_loop()
-        reply: asyncio.Future[object] = loop.create_future()
         try:
-            await in_host_lane(self._send, (ref, job, hint), loop, reply)
-            answer = await reply
-        except Broken:
+            answer = await self._ask(("plan", ref, job, hint))
+        except Broken:  # idempotent: whatever the worker did of it is done again, the same
             return await in_host_lane(host_side, quota, job, quick=True)
         if not isinstance(answer, MountPlan):
             raise SandboxError(f"the host worker answered a {type(answer).__name__}")
         return answer
+
+    async def claim(
+        self, job: ClaimJob, here: Callable[[ClaimJob], Awaitable[list[str]]]
+    ) -> list[str]:
+        """`sandbox.backends.docker_pool.claim_side` run by the worker (its binds and checks
+        off this process's interpreter lock, F3); by `here` when no worker runs or `job`
+        cannot be inspected from another process. A worker that fails once it was sent
+        the claim raises `SandboxError`: the claim may be half bound, so it is not done
+        again; the pooled sandbox is retired."""
+        if job.engine is None:
+            return await here(job)
+        try:
+            answer = await self._ask(("claim", job))
+        except NotSent:
+            return await here(job)
+        except Broken as exc:
+            raise SandboxError(f"the host worker failed during a claim: {exc}") from None
+        if not (isinstance(answer, list) and all(isinstance(v, str) for v in answer)):
+            raise SandboxError(f"the host worker answered a {type(answer).__name__}")
+        return answer
+
+    async def _ask(self, request: tuple[object, ...]) -> object:
+        loop = asyncio.get_running_loop()
+        reply: asyncio.Future[object] = loop.create_future()
+        await in_host_lane(self._send, request, loop, reply)
+        return await reply
 
     def close(self) -> None:
         """Close its socket (the worker ends) and reap it. Blocking."""
@@ -163,7 +194,7 @@ class HostWorker:
         with self._lock:
             sock = self._connected()
             if sock is None:
-                raise Broken("no worker")
+                raise NotSent("no worker")
             rid = next(self._ids)
             if not self._waiting:
                 self._progress = time.monotonic()
@@ -406,12 +437,29 @@ def serve(sock: socket.socket, run: Callable[..., object]) -> None:
             return  # the gateway is gone
 
 
-def _run(quotas: Quotas) -> Callable[..., MountPlan]:
-    def run(ref: QuotaRef | None, job: HostJob, hint: tuple[str, ...]) -> MountPlan:
-        quota = quotas.get(ref) if ref is not None else None
-        if isinstance(quota, SparedQuota):  # the spares the gateway made: no listing for them
-            quota.hint(job.agent, hint)
-        return host_side(quota, job, quick=True)  # anything slow is the gateway's (`Busy`)
+def _run(quotas: Quotas) -> Callable[..., object]:
+    engines: OrderedDict[EngineRef, EngineHTTP] = OrderedDict()
+
+    def lookup(ref: EngineRef) -> Callable[[str], dict[str, Any] | None]:
+        engine = engines.get(ref)
+        if engine is None:
+            engine = engines[ref] = EngineHTTP.from_ref(ref)
+            while len(engines) > ENGINES_KEPT:
+                engines.popitem(last=False)[1].close()
+        engines.move_to_end(ref)
+        return engine.inspect
+
+    def run(kind: str, *args: Any) -> object:
+        if kind == "plan":
+            ref, job, hint = args
+            quota = quotas.get(ref) if ref is not None else None
+            if isinstance(quota, SparedQuota):  # the spares the gateway made: no listing
+                quota.hint(job.agent, hint)
+            return host_side(quota, job, quick=True)  # anything slow is the gateway's (Busy)
+        if kind == "claim":
+            (claim,) = args
+            return claim_side(claim, lookup(claim.engine))
+        raise ValueError(f"no such request {kind!r}")
 
     return run
 
@@ -427,7 +475,9 @@ def main(argv: list[str]) -> None:
 
 
 WORKER = HostWorker()  # the gateway's (module-wide, as the lanes are)
+CLAIMER = HostWorker("cellgate-claims")  # pool claims, beside new conversations' host sides
 atexit.register(WORKER.close)
+atexit.register(CLAIMER.close)
 
 
 if __name__ == "__main__":

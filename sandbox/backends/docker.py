@@ -40,7 +40,7 @@ from sandbox.backends.base import (
     SandboxInfo,
     SandboxNotFound,
 )
-from sandbox.backends.engine_http import EngineHTTP
+from sandbox.backends.engine_http import EngineHTTP, EngineRef
 from sandbox.mountplan import EntryKind, MountPlan, identity
 from sandbox.spec import (
     DEFAULT_UID,
@@ -127,6 +127,12 @@ class DockerBackend(SandboxBackend):
         self._control_pool.shutdown(wait=False, cancel_futures=True)
         self._exec_pool.shutdown(wait=False, cancel_futures=True)
 
+    @property
+    def engine_ref(self) -> EngineRef | None:
+        """The engine's unix socket for another process's lean GETs (F3); None when the
+        engine is reached some other way."""
+        return self._engine.ref if self._engine is not None else None
+
     # -- the boundary ------------------------------------------------------
 
     async def _call(self, what: str, fn: Callable[[], T]) -> T:
@@ -192,11 +198,10 @@ class DockerBackend(SandboxBackend):
 
     def _lookup(self, name: str) -> dict[str, Any] | None:
         """The container's inspect document, or None when the engine says it does not exist."""
+        if self._engine is not None:  # one kept connection per thread (F3)
+            return self._engine.inspect(name)
         try:
-            if self._engine is not None:  # one kept connection per thread (F3)
-                attrs: dict[str, Any] = self._engine.get_json("/containers/{}/json", name)
-            else:
-                attrs = self._client.api.inspect_container(name)
+            attrs: dict[str, Any] = self._client.api.inspect_container(name)
         except docker.errors.NotFound:
             return None
         return attrs

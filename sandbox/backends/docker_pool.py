@@ -18,6 +18,7 @@ import shutil
 import subprocess
 import time
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -27,8 +28,9 @@ import docker.types
 
 from cellgate.errors import MountVerificationFailed, SandboxError
 from sandbox.backends.base import SandboxHandle, SandboxNotFound
-from sandbox.backends.docker import DockerBackend, _ExecJob, create_kwargs, observe
-from sandbox.latebind import CLAIM_FIFO, INIT_NAME
+from sandbox.backends.docker import DockerBackend, _ExecJob, _translated, create_kwargs, observe
+from sandbox.backends.engine_http import EngineRef
+from sandbox.latebind import CLAIM_FIFO, INIT_NAME, LateBinder, Slot
 from sandbox.mountplan import BRIDGE, MountPlan
 from sandbox.pool import read_view, view_violations
 from sandbox.runner_client import (
@@ -177,7 +179,7 @@ class DockerPoolOps:
 
         def verify() -> list[str]:  # one lookup: checked, then waiting for its claim
             attrs = self._attrs(handle)
-            found = self._violations_of(spec, handle, None, attrs)
+            found = claimed_violations(spec, handle, None, attrs)
             if not found:
                 _wait_claimable(handle.name, _pid(attrs))
             return found
@@ -245,20 +247,17 @@ class DockerPoolOps:
         if found:
             raise MountVerificationFailed(handle.name, found)
 
-    async def bind_and_check(
-        self, spec: SandboxSpec, handle: SandboxHandle, plan: MountPlan, bind: Callable[[], T]
-    ) -> T:
-        """A claim: `bind` (the host binds the plan into the slot), then `check` against
-        `plan`, in one control-thread job (F3: one hop, not two); what `bind` returned."""
+    def claim_job(
+        self, spec: SandboxSpec, handle: SandboxHandle, plan: MountPlan, slot_root: Path, slot: Slot
+    ) -> ClaimJob:
+        """The claim of `handle` (created from `spec`) for `plan`, as plain values."""
+        return ClaimJob(slot_root, slot, spec, handle, plan, self.backend.engine_ref)
 
-        def claim() -> tuple[T, list[str]]:
-            bound = bind()
-            return bound, self._violations(spec, handle, plan)
-
-        bound, found = await self.backend._call(f"claim {handle.name}", claim)
-        if found:
-            raise MountVerificationFailed(handle.name, found)
-        return bound
+    async def claim_here(self, job: ClaimJob) -> list[str]:
+        """`claim_side` in this process, on a control thread (no host worker to run it)."""
+        return await self.backend._call(
+            f"claim {job.handle.name}", lambda: claim_side(job, self.backend._lookup)
+        )
 
     def _attrs(self, handle: SandboxHandle) -> Mapping[str, Any]:
         attrs = self.backend._lookup(handle.container_id)
@@ -269,27 +268,56 @@ class DockerPoolOps:
     def _violations(
         self, spec: SandboxSpec, handle: SandboxHandle, plan: MountPlan | None
     ) -> list[str]:
-        return self._violations_of(spec, handle, plan, self._attrs(handle))
+        return claimed_violations(spec, handle, plan, self._attrs(handle))
 
-    def _violations_of(
-        self,
-        spec: SandboxSpec,
-        handle: SandboxHandle,
-        plan: MountPlan | None,
-        attrs: Mapping[str, Any],
-    ) -> list[str]:
-        observed = observe(attrs)
-        if plan is not None:
-            observed = _claimed_view(spec, observed, plan)
-        found = violations(spec, observed)
-        if not observed.running:
-            found.append("the sandbox is not running")
-        if plan is not None and not found:
-            try:
-                found += view_violations(plan, read_view(_pid(attrs), plan))
-            except OSError as exc:
-                raise SandboxError(f"cannot read {handle.name}'s mounts: {exc}") from exc
-        return found
+
+@dataclass(frozen=True, slots=True)
+class ClaimJob:
+    """A claim's host side, as plain values (it runs in the host worker, F3): `plan`
+    bound into the pooled sandbox's `slot` (of the binder at `binder_root`), then the
+    sandbox (created from `spec`) checked against it. `engine`: where to inspect it
+    from another process (None: only from the backend's own client)."""
+
+    binder_root: Path
+    slot: Slot
+    spec: SandboxSpec
+    handle: SandboxHandle
+    plan: MountPlan
+    engine: EngineRef | None
+
+
+def claim_side(job: ClaimJob, lookup: Callable[[str], Mapping[str, Any] | None]) -> list[str]:
+    """Bind the plan into the slot (S3), then every way the sandbox differs from its
+    pooled spec and the plan (S4, R5: the engine's view, and its own mount table by
+    device and inode); empty when the claim may go on. Blocking; `lookup` inspects."""
+
+    def claim() -> list[str]:
+        LateBinder(job.binder_root).bind_plan(job.slot, job.plan)
+        attrs = lookup(job.handle.container_id)
+        if attrs is None:
+            raise SandboxNotFound(job.handle.name)
+        return claimed_violations(job.spec, job.handle, job.plan, attrs)
+
+    return _translated(f"claim {job.handle.name}", claim)
+
+
+def claimed_violations(
+    spec: SandboxSpec, handle: SandboxHandle, plan: MountPlan | None, attrs: Mapping[str, Any]
+) -> list[str]:
+    """The sandbox inspected as `attrs` against its pooled `spec` (S2, R5) and, with
+    `plan`, its own mount table against the conversation's plan (S3, S4)."""
+    observed = observe(attrs)
+    if plan is not None:
+        observed = _claimed_view(spec, observed, plan)
+    found = violations(spec, observed)
+    if not observed.running:
+        found.append("the sandbox is not running")
+    if plan is not None and not found:
+        try:
+            found += view_violations(plan, read_view(_pid(attrs), plan))
+        except OSError as exc:
+            raise SandboxError(f"cannot read {handle.name}'s mounts: {exc}") from exc
+    return found
 
 
 def _claimed_view(

@@ -22,6 +22,7 @@ import json
 import socket
 import threading
 import urllib.parse
+from dataclasses import dataclass
 from typing import Any
 
 import docker
@@ -49,6 +50,15 @@ class _UnixConnection(http.client.HTTPConnection):
         self.sock = sock
 
 
+@dataclass(frozen=True, slots=True)
+class EngineRef:
+    """Where an `EngineHTTP` talks to, as plain values (it crosses to the host worker)."""
+
+    socket_path: str
+    api_version: str
+    timeout: float
+
+
 class EngineHTTP:
     """GETs of engine JSON on one kept connection per thread."""
 
@@ -59,6 +69,14 @@ class EngineHTTP:
         self._local = threading.local()
         self._lock = threading.Lock()
         self._all: list[_UnixConnection] = []
+
+    @property
+    def ref(self) -> EngineRef:
+        return EngineRef(self.socket_path, self.prefix[2:], self.timeout)
+
+    @classmethod
+    def from_ref(cls, ref: EngineRef) -> EngineHTTP:
+        return cls(ref.socket_path, ref.api_version, ref.timeout)
 
     @classmethod
     def for_client(cls, client: docker.DockerClient) -> EngineHTTP | None:
@@ -100,6 +118,14 @@ class EngineHTTP:
                 raise docker.errors.APIError(f"GET {path}: an answer over {RESPONSE_MAX} bytes")
             return _decoded(path, status, body)
         raise AssertionError("unreachable")
+
+    def inspect(self, name: str) -> dict[str, Any] | None:
+        """A container's inspect document; None when the engine says it does not exist."""
+        try:
+            attrs: dict[str, Any] = self.get_json("/containers/{}/json", name)
+        except docker.errors.NotFound:
+            return None
+        return attrs
 
     def _connection(self) -> tuple[_UnixConnection, bool]:
         conn: _UnixConnection | None = getattr(self._local, "conn", None)

@@ -27,6 +27,7 @@ import pytest
 from cellgate.models import ConversationKey
 from orchestrator.apps import install_app
 from orchestrator.config import write_config_document
+from orchestrator.host_worker import CLAIMER
 from orchestrator.pool import CLAIMS_AT_ONCE, REFILL_DEFER, WarmPool
 from orchestrator.store.db import Database
 from sandbox.backends.base import SandboxInfo
@@ -414,10 +415,14 @@ def test_F3_burst_of_new_conversations_blocks_no_loop_and_bounds_engine_calls(
 
     monkeypatch.setattr(api, "request", request)
     pool = pool_of(live)
-    claiming, claims, claim_peak = [0], [0], [0]
-    real_claim = pool.ops.bind_and_check
+    claiming, claims, claim_peak, here = [0], [0], [0], [0]
+    real_claim, real_here = CLAIMER.claim, pool.ops.claim_here
 
-    async def bind_and_check(*args: Any, **kwargs: Any) -> Any:  # on the loop: no lock
+    async def claim_here(*args: Any, **kwargs: Any) -> Any:
+        here[0] += 1
+        return await real_here(*args, **kwargs)
+
+    async def claim(*args: Any, **kwargs: Any) -> Any:  # on the loop: no lock
         claiming[0] += 1
         claims[0] += 1
         claim_peak[0] = max(claim_peak[0], claiming[0])
@@ -427,7 +432,8 @@ def test_F3_burst_of_new_conversations_blocks_no_loop_and_bounds_engine_calls(
         finally:
             claiming[0] -= 1
 
-    monkeypatch.setattr(pool.ops, "bind_and_check", bind_and_check)
+    monkeypatch.setattr(CLAIMER, "claim", claim)
+    monkeypatch.setattr(pool.ops, "claim_here", claim_here)
     pooled = pool.refusal is None  # under runsc the host cannot late-bind: all cold
     if pooled:
         wait_ready(live, POOL["size"])  # two claims at least, that could overlap
@@ -445,9 +451,10 @@ def test_F3_burst_of_new_conversations_blocks_no_loop_and_bounds_engine_calls(
     assert {"read", "write"} <= seen
     assert on_loop == [], f"blocking calls on the event loop: {sorted(set(on_loop))}"
     assert 0 < peak[0] <= bound, (peak[0], bound)
-    # a claim is Python work on an engine thread: a burst's go one at a time
+    # a burst's claims go one at a time, each bound and checked in the host worker
     if pooled:
         assert claims[0] >= POOL["size"] and claim_peak[0] == CLAIMS_AT_ONCE, (claims, claim_peak)
+        assert here == [0], "a claim was done in the gateway's own process"
     else:
         assert claims[0] == 0
 

@@ -2,12 +2,15 @@
 
 Each test starts its own worker (named with this run's id, so `ps` shows whose it
 is) and closes it. No engine and no quota image are needed: the host side of a
-conversation without a quota still makes its dirs and plans its mounts.
+conversation without a quota still makes its dirs and plans its mounts, and a pool
+claim's failures are the binder's and the engine's (claims of real pooled sandboxes
+through the worker: tests/e2e/test_pool.py).
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import signal
@@ -19,12 +22,17 @@ from pathlib import Path
 
 import pytest
 
-from cellgate.errors import ConversationError
+from cellgate.errors import ConversationError, EngineUnavailable, SandboxError
 from cellgate.models import ConversationKey
 from orchestrator.conversations import ConversationPaths, conversation_paths
 from orchestrator.host_side import HostJob, host_side
 from orchestrator.host_worker import MAX_FRAME, Broken, HostWorker, recv_frame
+from sandbox.backends.base import SandboxHandle
+from sandbox.backends.docker_pool import ClaimJob, claim_side
+from sandbox.backends.engine_http import EngineHTTP, EngineRef
+from sandbox.latebind import Slot
 from sandbox.mountplan import MountPlan
+from sandbox.spec import SandboxSpec
 from tests.support.run_id import RUN_ID
 
 OWNER = (os.getuid(), os.getgid())
@@ -197,3 +205,72 @@ def test_F3_a_frame_too_big_or_cut_short_is_a_broken_worker_not_a_read_of_it() -
         a.shutdown(socket.SHUT_WR)
         with pytest.raises(Broken, match="closed"):
             recv_frame(b)
+
+
+# -- claims (F1, F3) ---------------------------------------------------------------
+
+
+def _claim_job(tmp_path: Path, engine: EngineRef | None) -> ClaimJob:
+    """A claim of an empty plan into an empty slot, inspected from `engine`: what the
+    worker does with it is the binder's and the engine's, no pooled sandbox needed."""
+    slot = Slot(tmp_path / "slots" / "s1")
+    slot.root.mkdir(parents=True)
+    spec = SandboxSpec(
+        name=f"cgtest-{RUN_ID}-nosuch", image="img", image_id="sha256:1", user="1000:1000",
+        env={}, networks=(), plan=MountPlan(()), app="app", agent="app-bot",
+        conversation="c1", gateway="gw",
+    )  # fmt: skip
+    handle = SandboxHandle(spec.name, f"cgtest-{RUN_ID}-nosuch", "h")
+    return ClaimJob(tmp_path, slot, spec, handle, MountPlan(()), engine)
+
+
+async def test_F3_a_claim_in_the_worker_raises_what_it_raises_here(
+    worker: HostWorker, tmp_path: Path
+) -> None:
+    """The worker binds and inspects as the gateway would: an engine it cannot reach is
+    the same `EngineUnavailable` here and there, answered by the worker's process."""
+    job = _claim_job(tmp_path, EngineRef(str(tmp_path / "no-engine.sock"), "1.41", 5.0))
+    lookup = EngineHTTP.from_ref(job.engine).inspect  # type: ignore[arg-type]
+    with pytest.raises(EngineUnavailable) as here:
+        claim_side(job, lookup)
+
+    async def not_here(job: ClaimJob) -> list[str]:
+        raise AssertionError("done in the gateway's process")
+
+    with pytest.raises(EngineUnavailable) as there:
+        await worker.claim(job, not_here)
+    assert worker.pid is not None  # it answered
+    assert type(there.value) is type(here.value)
+    assert str(there.value) == str(here.value)
+
+
+async def test_F3_a_claim_is_done_here_when_no_worker_runs_never_twice(
+    tmp_path: Path,
+) -> None:
+    """No worker to send it to (or no engine it can reach): the claim is done in this
+    process. A worker that stops answering once it has the claim: the claim fails (its
+    slot may be half bound), and is not done again here."""
+    done_here: list[ClaimJob] = []
+
+    async def here(job: ClaimJob) -> list[str]:
+        done_here.append(job)
+        return []
+
+    w = HostWorker(RUN_ID, reply_timeout=0.5, retry_after=60)
+    try:
+        job = _claim_job(tmp_path, EngineRef(str(tmp_path / "no-engine.sock"), "1.41", 5.0))
+        assert await w.claim(dataclasses.replace(job, engine=None), here) == []
+        assert len(done_here) == 1 and w.pid is None  # not even started for it
+        paths, root = _paths(tmp_path, "claim")
+        await _run(w, paths, root)
+        hung = w.pid
+        assert hung is not None
+        os.kill(hung, signal.SIGSTOP)
+        with pytest.raises(SandboxError, match="during a claim"):
+            await w.claim(job, here)
+        assert len(done_here) == 1
+        assert not _alive(hung)
+        assert await w.claim(job, here) == []  # down for retry_after: done here
+        assert len(done_here) == 2 and w.pid is None
+    finally:
+        w.close()
