@@ -13,17 +13,23 @@ The worker is `python -m orchestrator.host_worker FD LEVEL NAME`, started by the
 gateway (as the same user, with a minimal environment) and reached over a
 private socket pair, never a path a sandbox could reach. Frames are a 4-byte
 length and a pickle, both ends this same code; a request carries an id, and
-its reply the same. It runs only `host_side`, one request after the other in
-the order sent, with quota objects of its own: every take of a spare and
-every bind is under the same file locks as in the gateway
-(`sandbox.quota.locked`), so the two never step on each other.
+its reply the same. It runs only `host_side` and pool claims
+(`sandbox.backends.docker_pool.claim_side`: the binds into a slot, the
+engine's inspect over its unix socket, the checks), one request after the
+other in the order sent, with quota objects of its own: every take of a spare
+and every bind is under the same file locks as in the gateway
+(`sandbox.quota.locked`), so the two never step on each other. The gateway
+runs two: `WORKER` for host sides and `CLAIMER` for claims, so that a burst's
+claims do not queue behind its host sides.
 Its log records come back over the socket and are logged by the gateway's
 own loggers; an error comes back as the same exception (class, message and
 attributes). When the worker cannot be started, dies, sends garbage or
 answers nothing for `REPLY_TIMEOUT` while asked, the gateway kills it, says so
 in the log, and runs `host_side` itself on the host lane (it is idempotent:
-the requests in flight too) until `RETRY_AFTER` has passed. The worker ends
-when the gateway closes its end (or dies).
+the requests in flight too) until `RETRY_AFTER` has passed; a claim in flight
+fails instead (it is not idempotent: a slot may be half bound), and new ones
+run on an engine thread meanwhile. The worker ends when the gateway closes its
+end (or dies).
 """
 
 from __future__ import annotations

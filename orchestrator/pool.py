@@ -5,7 +5,9 @@ start. For a conversation it already served it verifies that conversation's
 claimed sandbox (S4, R5: the engine's view against the pooled spec, and the
 sandbox's own mount table against the plan by device and inode); for a new
 conversation it takes a ready sandbox, binds the conversation's plan into its
-slot (`sandbox.latebind`), verifies what the claim bound, and hands it over.
+slot (`sandbox.latebind`), verifies what the claim bound (both in the host
+worker, `orchestrator.host_worker.CLAIMER`, F3), starts its runner, and hands
+it over.
 A claimed sandbox never returns to the pool: it serves one conversation and
 is removed with it (the chat A / chat B rule). It answers None, and the
 caller starts cold, when the pool is empty, the spec changed (the pool is

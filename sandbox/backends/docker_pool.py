@@ -1,10 +1,13 @@
 """The Docker side of the warm pool (F1): create a pooled sandbox, check a claimed one.
 
 Every call runs on the backend's control threads, under its limiter (F3: the
-event loop never blocks, and a burst of claims shares the bounded pool with
-every other control call). A pooled sandbox is `create_kwargs` of its pooled
-spec with its slot mounts `rslave`: what the host binds under the slot later
-appears inside, nothing flows back.
+event loop never blocks). A claim (`claim_side`: the plan bound into the slot,
+then the sandbox checked) takes plain values (`ClaimJob`) and inspects through
+a function it is given, so that the gateway's host worker can run it in another
+process (`orchestrator.host_worker`); `claim_here` runs it on a control thread.
+A pooled sandbox is `create_kwargs` of its pooled spec with its slot mounts
+`rslave`: what the host binds under the slot later appears inside, nothing
+flows back.
 """
 
 from __future__ import annotations
