@@ -9,7 +9,7 @@ with its own interpreter lock, on a core the gateway's one lock leaves idle:
 the host lane only sends the request (one system call), and the caller's
 event loop gets the reply from a reader thread.
 
-The worker is `python -m orchestrator.host_worker FD LEVEL NAME`, started by the
+The worker is `python -m orchestrator.host_worker FD LEVEL NAME [MODULE...]`, started by the
 gateway (as the same user, with a minimal environment) and reached over a
 private socket pair, never a path a sandbox could reach. Frames are a 4-byte
 length and a pickle, both ends this same code; a request carries an id, and
@@ -37,6 +37,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import contextlib
+import importlib
 import itertools
 import logging
 import os
@@ -52,16 +53,19 @@ import traceback
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from cellgate.errors import CellgateError, SandboxError
 from orchestrator.host_side import HostJob, Quotas, host_side, quota_ref
 from orchestrator.lane import in_host_lane
 from orchestrator.spare_quota import SparedQuota
-from sandbox.backends.docker_pool import ClaimJob, claim_side
-from sandbox.backends.engine_http import EngineHTTP, EngineRef
 from sandbox.mountplan import MountPlan
 from sandbox.quota import LoopQuota
+
+if TYPE_CHECKING:  # the claims' worker imports them at its first claim: a host sides'
+    # worker never needs the engine's client (its memory, F1)
+    from sandbox.backends.docker_pool import ClaimJob
+    from sandbox.backends.engine_http import EngineHTTP, EngineRef
 
 logger = logging.getLogger(__name__)
 
@@ -123,8 +127,10 @@ class HostWorker:
         *,
         reply_timeout: float = REPLY_TIMEOUT,
         retry_after: float = RETRY_AFTER,
+        preload: tuple[str, ...] = (),
     ) -> None:
         self.name = name  # on its command line, for `ps`
+        self.preload = preload  # modules it imports as it starts (not at its first request)
         self.reply_timeout = reply_timeout
         self.retry_after = retry_after
         self._lock = threading.Lock()
@@ -264,7 +270,15 @@ class HostWorker:
         ours, theirs = socket.socketpair()
         try:
             proc = subprocess.Popen(
-                [sys.executable, "-m", __name__, str(theirs.fileno()), str(_level()), self.name],
+                [
+                    sys.executable,
+                    "-m",
+                    __name__,
+                    str(theirs.fileno()),
+                    str(_level()),
+                    self.name,
+                    *self.preload,
+                ],
                 pass_fds=(theirs.fileno(),),
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.DEVNULL,
@@ -449,6 +463,8 @@ def _run(quotas: Quotas) -> Callable[..., object]:
     def lookup(ref: EngineRef) -> Callable[[str], dict[str, Any] | None]:
         engine = engines.get(ref)
         if engine is None:
+            from sandbox.backends.engine_http import EngineHTTP
+
             engine = engines[ref] = EngineHTTP.from_ref(ref)
             while len(engines) > ENGINES_KEPT:
                 engines.popitem(last=False)[1].close()
@@ -463,6 +479,8 @@ def _run(quotas: Quotas) -> Callable[..., object]:
                 quota.hint(job.agent, hint)
             return host_side(quota, job, quick=True)  # anything slow is the gateway's (Busy)
         if kind == "claim":
+            from sandbox.backends.docker_pool import claim_side
+
             (claim,) = args
             return claim_side(claim, lookup(claim.engine))
         raise ValueError(f"no such request {kind!r}")
@@ -477,11 +495,14 @@ def main(argv: list[str]) -> None:
     root = logging.getLogger()
     root.handlers[:] = [_Forward(sock)]
     root.setLevel(int(argv[1]))
+    for module in argv[3:]:  # the gateway's own `preload`
+        importlib.import_module(module)
     serve(sock, _run(Quotas()))
 
 
 WORKER = HostWorker()  # the gateway's (module-wide, as the lanes are)
-CLAIMER = HostWorker("cellgate-claims")  # pool claims, beside new conversations' host sides
+# pool claims, beside new conversations' host sides
+CLAIMER = HostWorker("cellgate-claims", preload=("sandbox.backends.docker_pool",))
 atexit.register(WORKER.close)
 atexit.register(CLAIMER.close)
 
