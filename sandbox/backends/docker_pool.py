@@ -251,10 +251,15 @@ class DockerPoolOps:
             raise MountVerificationFailed(handle.name, found)
 
     def claim_job(
-        self, spec: SandboxSpec, handle: SandboxHandle, plan: MountPlan, slot_root: Path, slot: Slot
+        self,
+        spec: SandboxSpec,
+        handle: SandboxHandle,
+        plan: MountPlan,
+        binder_root: Path,
+        slot: Slot,
     ) -> ClaimJob:
         """The claim of `handle` (created from `spec`) for `plan`, as plain values."""
-        return ClaimJob(slot_root, slot, spec, handle, plan, self.backend.engine_ref)
+        return ClaimJob(binder_root, slot, spec, handle, plan, self.backend.engine_ref)
 
     async def claim_here(self, job: ClaimJob) -> list[str]:
         """`claim_side` in this process, on a control thread (no host worker to run it)."""
