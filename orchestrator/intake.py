@@ -10,14 +10,15 @@ from __future__ import annotations
 
 import functools
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from cellgate.models import ConversationKey
 from orchestrator.admission import MessageGate
 from orchestrator.agents import Agents
-from orchestrator.lane import in_lane
+from orchestrator.lane import in_lane, in_sync_lane
 from orchestrator.store import Message, conversation_id
 from orchestrator.store.views import IntakeStore
+from orchestrator.store.walsync import SyncTicket
 from orchestrator.turns import TurnLoop
 
 
@@ -52,15 +53,24 @@ class Intake:
 
         # admitted first: a refused message (a flood of new chats) makes no conversation row
         await self.gate.admit(agent_id, channel, chat_id, sender, conv, pending)
-        msg, created = await in_lane(
-            functools.partial(
-                self.store.accept_new,
-                key,
-                message_id or uuid.uuid4().hex,
-                sender=sender,
-                text=text,
-                files=files,
-            )
+        accept = functools.partial(
+            self.store.accept_new,
+            key,
+            message_id or uuid.uuid4().hex,
+            sender=sender,
+            text=text,
+            files=files,
         )
+        msg, created, ticket = await in_lane(self._accept, accept)
+        # D1: on disk before anyone is told (the channel acknowledges the platform once
+        # this returns); the fsync is shared with the other messages committed meanwhile
+        await in_sync_lane(self.store.sync, ticket)
         self.loop.wake(conv)
         return msg, created
+
+    def _accept(
+        self, accept: Callable[[], tuple[Message, bool]]
+    ) -> tuple[Message, bool, SyncTicket]:
+        with self.store.deferred_sync() as ticket:
+            msg, created = accept()
+        return msg, created, ticket

@@ -31,7 +31,7 @@ from cellgate.errors import (
     new_ref,
 )
 from orchestrator.bounded import LruMap
-from orchestrator.lane import in_lane
+from orchestrator.lane import in_lane, in_sync_lane
 from orchestrator.slots import FairSlots
 from orchestrator.store import (
     Conversation,
@@ -42,6 +42,7 @@ from orchestrator.store import (
     Reply,
 )
 from orchestrator.store.views import RefusalStore, TurnQueueStore
+from orchestrator.store.walsync import SyncTicket
 
 logger = logging.getLogger(__name__)
 
@@ -188,8 +189,9 @@ class TurnLoop:
         fut: asyncio.Future[Reply] = asyncio.get_running_loop().create_future()
         self._waiters.setdefault(message_id, []).append(fut)
         try:
-            reply = await in_lane(self.store.reply_for_message, message_id)
+            reply, ticket = await in_lane(self._stored_reply, message_id)
             if reply is not None:
+                await in_sync_lane(self.store.sync, ticket)  # D1: on disk before it is told
                 return reply
             async with asyncio.timeout(timeout):
                 return await fut
@@ -216,7 +218,7 @@ class TurnLoop:
 
     async def _process(self, message: Message) -> bool:
         """Answer and deliver one message; False when its delivery must be retried later."""
-        conv, existing = await in_lane(self._lookup, message)
+        conv, existing, stored = await in_lane(self._lookup, message)
         if conv is None:
             logger.error("message %s has no conversation; failing it", message.id)
             await in_lane(
@@ -229,6 +231,8 @@ class TurnLoop:
             return True
         by_store = False
         if existing is not None:
+            # recorded before (a delivery to retry): its fsync may not have ended (D1)
+            await in_sync_lane(self.store.sync, stored)
             reply = existing
         else:
             if message.state is MessageState.RUNNING:
@@ -248,7 +252,10 @@ class TurnLoop:
             # a reply its caller reads from the store is delivered as it is stored (F3: one
             # commit, not two); the delivery below only counts it
             by_store = self._by_store(conv)
-            reply = await in_lane(self._record, message.id, answer.text, by_store)
+            reply, ticket = await in_lane(self._record, message.id, answer.text, by_store)
+            # D1: on disk before it is sent or handed to its caller (a group fsync, off
+            # the turn lane)
+            await in_sync_lane(self.store.sync, ticket)
         self._engine_attempts.pop(message.id)
         self._resolve(message.id, reply)
         undelivered = by_store or reply.delivered_at is None
@@ -257,10 +264,18 @@ class TurnLoop:
         self._attempts.pop(message.id)
         return True
 
-    def _lookup(self, message: Message) -> tuple[Conversation | None, Reply | None]:
+    def _stored_reply(self, message_id: MessageId) -> tuple[Reply | None, SyncTicket]:
+        """The message's reply if it has one, and a ticket that covers its commit (it may
+        be a reply recorded a moment ago, whose fsync has not ended yet)."""
+        with self.store.deferred_sync() as ticket:
+            return self.store.reply_for_message(message_id), ticket
+
+    def _lookup(self, message: Message) -> tuple[Conversation | None, Reply | None, SyncTicket]:
         """The message's conversation and its reply if it has one (one thread hop, F3)."""
-        conv = self.store.get_conversation(message.conversation_id)
-        return conv, None if conv is None else self.store.reply_for_message(message.id)
+        with self.store.deferred_sync() as ticket:
+            conv = self.store.get_conversation(message.conversation_id)
+            reply = None if conv is None else self.store.reply_for_message(message.id)
+        return conv, reply, ticket
 
     async def _engine_wait(self, conv: Conversation, message: Message) -> None:
         """R7: the engine is away; the message goes back in the queue and waits for it."""
@@ -281,19 +296,23 @@ class TurnLoop:
         )
         self._retry_later(conv.id, pause)
 
-    def _record(self, message_id: MessageId, text: str, delivered: bool = False) -> Reply:
-        """Record the answer (`delivered`: see `Store.record_reply`); a turn that failed
+    def _record(
+        self, message_id: MessageId, text: str, delivered: bool = False
+    ) -> tuple[Reply, SyncTicket]:
+        """Record the answer (`delivered`: see `Store.record_reply`), committed without an
+        fsync of its own: `Store.sync(ticket)` before it is told. A turn that failed
         before it started (the message still ACCEPTED, e.g. its agent is unavailable) is
         answered all the same."""
         key = outbound_key(message_id)
-        try:
-            reply, _ = self.store.record_reply(message_id, key, text, delivered=delivered)
-        except StateConflict as exc:
-            if exc.actual != MessageState.ACCEPTED.value:
-                raise
-            self.store.transition(message_id, MessageState.ACCEPTED, MessageState.RUNNING)
-            reply, _ = self.store.record_reply(message_id, key, text, delivered=delivered)
-        return reply
+        with self.store.deferred_sync() as ticket:
+            try:
+                reply, _ = self.store.record_reply(message_id, key, text, delivered=delivered)
+            except StateConflict as exc:
+                if exc.actual != MessageState.ACCEPTED.value:
+                    raise
+                self.store.transition(message_id, MessageState.ACCEPTED, MessageState.RUNNING)
+                reply, _ = self.store.record_reply(message_id, key, text, delivered=delivered)
+        return reply, ticket
 
     def _resolve(self, message_id: MessageId, reply: Reply) -> None:
         for fut in self._waiters.get(message_id, []):

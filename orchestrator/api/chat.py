@@ -35,7 +35,7 @@ from orchestrator.api.context import ApiContext, context
 from orchestrator.api.errors import ApiError
 from orchestrator.api.ids import agent_id
 from orchestrator.gateway import TurnOutcome
-from orchestrator.store import conversation_id
+from orchestrator.store import ConversationId, Message, Reply, Store, conversation_id
 from policies.api_access import ApiChatFacts
 
 __all__ = ["MessageIn", "MessageOut", "router"]
@@ -142,13 +142,24 @@ async def get_message(
     exists = await asyncio.to_thread(store.get_conversation, conversation_id(key))
     if owner is not None or exists is not None:
         require(ctx, who, agent, "message", api_chat=ApiChatFacts(owner))  # K4: its own chat
-    msg = await asyncio.to_thread(store.find_message, conversation_id(key), message_id)
+    msg, reply = await asyncio.to_thread(_stored, store, conversation_id(key), message_id)
     if msg is None:
         raise ApiError(404, "unknown_message", f"no message {message_id!r} in this chat")
-    reply = await asyncio.to_thread(store.reply_for_message, msg.id)
     return MessageState(
         message_id=message_id,
         state=msg.state.value,
         conversation=key.dir_name,
         reply=reply.text if reply else None,
     )
+
+
+def _stored(
+    store: Store, conversation: ConversationId, message_id: str
+) -> tuple[Message | None, Reply | None]:
+    """A message and its reply, told only once on disk: a reply committed a moment ago
+    may still wait for its fsync (D1, group commit: `Store.deferred_sync`)."""
+    with store.deferred_sync() as ticket:
+        msg = store.find_message(conversation, message_id)
+        reply = None if msg is None else store.reply_for_message(msg.id)
+    store.sync(ticket)
+    return msg, reply

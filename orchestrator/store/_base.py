@@ -7,10 +7,12 @@ import json
 import sqlite3
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from typing import Any
 
 from cellgate.errors import NotFound, StateConflict
 from orchestrator.store.db import Database
+from orchestrator.store.walsync import SyncTicket
 
 Clock = Callable[[], float]
 
@@ -22,6 +24,14 @@ class StoreBase:
 
     def _now(self) -> float:
         return float(self._clock())
+
+    def deferred_sync(self) -> AbstractContextManager[SyncTicket]:
+        """Durable writes inside skip their own fsync until `sync` (`Database.deferred_sync`)."""
+        return self._db.deferred_sync()
+
+    def sync(self, ticket: SyncTicket) -> None:
+        """Blocking: the writes `ticket` covers are on disk (one fsync shared by many)."""
+        self._db.sync(ticket)
 
 
 def ts(value: Any) -> float:

@@ -16,6 +16,11 @@ at every commit. cellgate acknowledges an inbound event to the platform right
 after `accept_message` commits, and the platform will not send it again, so
 the commit must be on disk before that acknowledgement (D1).
 
+A write the outside learns of may instead be made inside `deferred_sync()`:
+it commits without its own fsync, and its caller runs `sync(ticket)` (off
+the turn lane) before telling anyone; one fsync then covers every commit
+made before it began (group commit: `orchestrator.store.walsync`).
+
 A write that nothing outside the process learns of before a durable write
 follows (a turn's start and finish, its sandbox's record) is committed with
 `write(durable=False)`: no fsync of its own (F3: on a busy host each is a
@@ -39,6 +44,7 @@ from pathlib import Path
 
 from cellgate.errors import StoreError, StoreFull
 from orchestrator.store.schema import MIGRATIONS, SCHEMA_VERSION
+from orchestrator.store.walsync import SyncTicket, WalSync
 
 logger = logging.getLogger(__name__)
 
@@ -63,8 +69,10 @@ class Database:
         self._conns: dict[int, tuple[threading.Thread, sqlite3.Connection]] = {}
         self._in_use: set[int] = set()
         self._closed = False
+        self.wal = WalSync(path)
         self._create_file()
         self._migrate()
+        self.sync(SyncTicket(self.wal.marked()))  # an earlier process's deferred commits
 
     def _create_file(self) -> None:
         """Create the file 0600 before SQLite does: it holds key and share hashes."""
@@ -166,16 +174,38 @@ class Database:
         thread's next durable write sets FULL again), for a write nothing outside the
         process is told of before a durable one follows; see the module's note on
         durability."""
+        deferred = durable and getattr(self._local, "deferred", False)
+        full = durable and not deferred
         with self._using() as conn:
             # the level is set only when it changes (F3: each statement is a wait for the
             # interpreter lock on a busy turn lane); every write of the thread comes here
-            if self._local.durable != durable:
+            if self._local.durable != full:
                 try:
-                    conn.execute(f"PRAGMA synchronous = {'FULL' if durable else 'NORMAL'}")
+                    conn.execute(f"PRAGMA synchronous = {'FULL' if full else 'NORMAL'}")
                 except sqlite3.Error as exc:
                     raise self._failed("starting a write on", exc) from exc
-                self._local.durable = durable
+                self._local.durable = full
             yield from self._write(conn)
+        if deferred:
+            self.wal.mark()
+
+    @contextmanager
+    def deferred_sync(self) -> Iterator[SyncTicket]:
+        """Durable writes of this thread inside commit without their own fsync; once the
+        block ends the ticket covers them and every such commit before (a write found
+        done already, an idempotent repeat, is covered too). `sync(ticket)` before anyone
+        outside the process learns of them (D1)."""
+        ticket = SyncTicket()
+        self._local.deferred = True
+        try:
+            yield ticket
+        finally:
+            self._local.deferred = False
+            ticket.upto = self.wal.marked()
+
+    def sync(self, ticket: SyncTicket) -> None:
+        """Blocking: what `ticket` covers is on disk (group commit, `WalSync.sync`)."""
+        self.wal.sync(ticket)
 
     def _write(self, conn: sqlite3.Connection) -> Iterator[sqlite3.Connection]:
         try:

@@ -8,6 +8,7 @@ can hand it a small scripted stand-in.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from contextlib import AbstractContextManager
 from typing import Any, Protocol
 
 from cellgate.models import ConversationKey
@@ -31,6 +32,7 @@ from orchestrator.store.models import (
     Turn,
     TurnId,
 )
+from orchestrator.store.walsync import SyncTicket
 
 __all__ = [
     "ConversationStore",
@@ -39,8 +41,17 @@ __all__ = [
     "RefusalStore",
     "SandboxStore",
     "SessionStore",
+    "SyncStore",
     "TurnQueueStore",
 ]
+
+
+class SyncStore(Protocol):
+    """Group commit (D1, F3): durable writes committed now, on disk before anyone is told."""
+
+    def deferred_sync(self) -> AbstractContextManager[SyncTicket]: ...
+
+    def sync(self, ticket: SyncTicket) -> None: ...
 
 
 class ConversationStore(Protocol):
@@ -64,7 +75,7 @@ class RefusalStore(Protocol):
     ) -> Refusal: ...
 
 
-class IntakeStore(ConversationStore, RefusalStore, Protocol):
+class IntakeStore(ConversationStore, RefusalStore, SyncStore, Protocol):
     """Accepting a message: its conversation, the message row, the queue it joins."""
 
     def accept_message(
@@ -90,7 +101,7 @@ class IntakeStore(ConversationStore, RefusalStore, Protocol):
     def pending_for_conversation(self, conversation: ConversationId) -> list[Message]: ...
 
 
-class TurnQueueStore(Protocol):
+class TurnQueueStore(SyncStore, Protocol):
     """The durable turn queue (D1, D2): message states and their replies."""
 
     def get_conversation(self, conversation: ConversationId) -> Conversation | None: ...

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import functools
 import itertools
 import threading
 import time
@@ -21,7 +22,7 @@ import pytest
 
 from orchestrator.config import load_config, write_config_document
 from orchestrator.gateway import Gateway
-from orchestrator.lane import HOST_THREAD_NAME, THREAD_NAME, in_host_lane, in_lane
+from orchestrator.lane import HOST_THREAD_NAME, THREAD_NAME, Lane, in_host_lane, in_lane
 from tests.e2e.conftest import SUITE_ADMISSION
 from tests.fakes.no_engine import NoEngineBackend
 from tests.support.run_id import seed_gateway_id
@@ -46,6 +47,73 @@ async def test_F3_lane_is_one_thread_in_order_with_the_callers_context() -> None
     assert {who for _, who, *_ in seen} == {"caller"}
     spans = sorted((t0, t1) for *_, t0, t1 in seen)
     assert all(a[1] <= b[0] for a, b in itertools.pairwise(spans))  # one at a time
+
+
+async def _held_lane() -> tuple[threading.Event, asyncio.Future[None]]:
+    """The turn lane busy with a call that waits for the returned event."""
+    gate, started = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        started.set()
+        gate.wait(10)
+
+    held = asyncio.ensure_future(in_lane(hold))
+    assert await asyncio.to_thread(started.wait, 5)
+    return gate, held
+
+
+async def test_F3_a_call_whose_caller_was_cancelled_before_it_started_never_runs() -> None:
+    ran: list[str] = []
+    gate, held = await _held_lane()
+    doomed = asyncio.ensure_future(in_lane(ran.append, "doomed"))
+    await asyncio.sleep(0.05)
+    doomed.cancel()
+    gate.set()
+    await held
+    await in_lane(ran.append, "after")
+    assert ran == ["after"]
+    with pytest.raises(asyncio.CancelledError):
+        await doomed
+
+
+async def test_F3_a_calls_error_reaches_its_caller_and_the_lane_goes_on() -> None:
+    def fails() -> None:
+        raise ValueError("broken call")
+
+    def stops() -> None:
+        raise StopIteration  # a future cannot carry it: a RuntimeError instead
+
+    with pytest.raises(ValueError, match="broken call"):
+        await in_lane(fails)
+    with pytest.raises(RuntimeError, match="StopIteration"):
+        await in_lane(stops)
+    assert await in_lane(lambda: 7) == 7
+
+
+async def test_F3_finish_lets_queued_calls_end_then_takes_no_more() -> None:
+    """At interpreter exit (atexit) a lane runs what was queued, bounded, as an
+    executor's threads would; a call after that is refused, not lost silently."""
+    lane = Lane("test-lane")
+    loop = asyncio.get_running_loop()
+    gate = threading.Event()
+    done: list[int] = []
+    futures: list[asyncio.Future[None]] = [loop.create_future() for _ in range(3)]
+
+    def hold() -> None:
+        gate.wait(10)
+
+    lane.submit(hold, loop, futures[0])
+    lane.submit(functools.partial(done.append, 1), loop, futures[1])
+    lane.submit(functools.partial(done.append, 2), loop, futures[2])
+    finishing = asyncio.ensure_future(asyncio.to_thread(lane.finish, 10))
+    await asyncio.sleep(0.05)
+    assert not finishing.done()  # the first call still holds the lane
+    gate.set()
+    await finishing
+    assert done == [1, 2]
+    with pytest.raises(RuntimeError, match="shutting down"):
+        lane.submit(hold, loop, loop.create_future())
+    await asyncio.gather(*futures)
 
 
 async def test_F3_host_lane_is_its_own_thread_beside_the_turn_lane() -> None:

@@ -1,0 +1,269 @@
+"""D1, F3: group commit. An accepted message and a reply commit on the turn lane
+without an fsync of their own, and whoever tells the outside of them waits first for
+one fsync of the WAL that began after their commit, shared with the other commits
+made meanwhile. Real SQLite files; the fsyncs are counted at `os.fdatasync`."""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import os
+import threading
+from collections.abc import AsyncIterator, Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from cellgate.errors import StoreError
+from cellgate.models import ConversationKey
+from orchestrator.config import load_config, write_config_document
+from orchestrator.gateway import Gateway
+from orchestrator.store import Store
+from tests.e2e.conftest import SUITE_ADMISSION
+from tests.fakes.no_engine import NoEngineBackend
+from tests.support.run_id import seed_gateway_id
+
+KEY = ConversationKey("bot", "telegram", "-1001")
+AGENT = "grouped"
+
+
+def _commit_levels(store: Store, write: Callable[[], object]) -> list[int]:
+    """The `synchronous` level in force at each COMMIT of `write` (2 FULL, 1 NORMAL)."""
+    conn = store._db.connection()
+    levels: list[int] = []
+
+    def seen(sql: str) -> None:
+        if sql == "COMMIT":
+            levels.append(conn.execute("PRAGMA synchronous").fetchone()[0])
+
+    conn.set_trace_callback(seen)
+    try:
+        write()
+    finally:
+        conn.set_trace_callback(None)
+    return levels
+
+
+@pytest.fixture
+def synced(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The file each `os.fdatasync` and `os.fsync` of this process was called on."""
+    seen: list[str] = []
+    real_data, real_full = os.fdatasync, os.fsync
+
+    def name(fd: int) -> str:
+        return os.readlink(f"/proc/self/fd/{fd}")
+
+    def data(fd: int) -> None:
+        seen.append(name(fd))
+        real_data(fd)
+
+    def full(fd: int) -> None:
+        seen.append(name(fd))
+        real_full(fd)
+
+    monkeypatch.setattr(os, "fdatasync", data)
+    monkeypatch.setattr(os, "fsync", full)
+    return seen
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> Iterator[Store]:
+    with Store.open(tmp_path) as s:
+        yield s
+
+
+def test_D1_F3_a_deferred_write_commits_without_fsync_and_sync_puts_it_on_disk(
+    store: Store, synced: list[str]
+) -> None:
+    wal = f"{store.path}-wal"
+    with store.deferred_sync() as ticket:
+        levels = _commit_levels(store, lambda: store.accept_new(KEY, "m1", sender="u", text="hi"))
+    assert levels == [1]  # NORMAL: no fsync in the commit
+    assert synced == []
+    store.sync(ticket)
+    assert synced == [wal]  # (its directory was synced once, as the store opened)
+    synced.clear()
+    store.sync(ticket)  # covered already: no second fsync
+    assert synced == []
+    # outside the block a durable write is FULL again, as before
+    assert _commit_levels(store, lambda: store.accept_new(KEY, "m2", sender="u", text="x")) == [2]
+
+
+def test_D1_F3_one_fsync_covers_every_commit_made_before_it_began(
+    store: Store, synced: list[str]
+) -> None:
+    tickets = []
+    for i in range(5):
+        with store.deferred_sync() as ticket:
+            store.accept_new(KEY, f"m{i}", sender="u", text="hi")
+        tickets.append(ticket)
+    assert [t.upto for t in tickets] == sorted({t.upto for t in tickets})  # each its own
+    store.sync(tickets[-1])
+    done = len(synced)
+    for ticket in tickets:
+        store.sync(ticket)
+    assert len(synced) == done  # the last one's fsync covered the four before it
+    with store.deferred_sync() as later:
+        store.accept_new(KEY, "m9", sender="u", text="new")
+    store.sync(later)
+    assert len(synced) == done + 1 and synced[-1] == f"{store.path}-wal"
+
+
+def test_D1_an_idempotent_repeat_is_not_told_before_the_first_is_on_disk(
+    store: Store, synced: list[str]
+) -> None:
+    """A platform that sends a message twice hears "accepted" for the repeat only once
+    the first one's commit is on disk: the repeat writes nothing, its ticket covers
+    the commit it found."""
+    with store.deferred_sync() as first:
+        store.accept_new(KEY, "m1", sender="u", text="hi")
+    with store.deferred_sync() as repeat:
+        _, created = store.accept_new(KEY, "m1", sender="u", text="hi")
+    assert not created
+    assert repeat.upto >= first.upto > 0
+    store.sync(repeat)
+    assert synced and synced[0] == f"{store.path}-wal"
+    synced.clear()
+    store.sync(first)
+    assert synced == []
+
+
+def test_D1_a_store_that_opens_syncs_first_what_another_left_unsynced(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A gateway killed between a commit and its fsync leaves the commit in the page
+    cache; the next one may find it (an idempotent repeat, a reply to deliver) and
+    tell it, so a store syncs the WAL and its directory as it opens."""
+    with Store.open(tmp_path) as first:
+        with first.deferred_sync():
+            first.accept_new(KEY, "m1", sender="u", text="hi")  # never synced
+        seen: list[str] = []
+        real = os.fdatasync
+
+        def data(fd: int) -> None:
+            seen.append(os.readlink(f"/proc/self/fd/{fd}"))
+            real(fd)
+
+        monkeypatch.setattr(os, "fdatasync", data)
+        with Store.open(tmp_path) as second:
+            assert seen == [f"{second.path}-wal"]
+
+
+def test_D1_a_failed_fsync_is_a_store_error_and_the_next_sync_tries_again(
+    store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with store.deferred_sync() as ticket:
+        store.accept_new(KEY, "m1", sender="u", text="hi")
+    real = os.fdatasync
+
+    def broken(fd: int) -> None:
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(os, "fdatasync", broken)
+    with pytest.raises(StoreError, match=r"syncing .* to disk failed"):
+        store.sync(ticket)
+    calls: list[int] = []
+
+    def counted(fd: int) -> None:
+        calls.append(fd)
+        real(fd)
+
+    monkeypatch.setattr(os, "fdatasync", counted)
+    store.sync(ticket)  # not counted as synced after the failure
+    assert len(calls) == 1
+
+
+def test_D1_sync_without_a_wal_file_syncs_the_database_itself(
+    store: Store, synced: list[str]
+) -> None:
+    with store.deferred_sync() as ticket:
+        store.accept_new(KEY, "m1", sender="u", text="hi")
+    store._db.connection().execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    os.unlink(f"{store.path}-wal")  # as after the last connection closed
+    store.sync(ticket)
+    assert synced[0] == str(store.path)
+
+
+# -- the gateway: nothing is told before its fsync --------------------------------
+
+
+@pytest.fixture
+async def gateway(tmp_path: Path) -> AsyncIterator[Gateway]:
+    state = seed_gateway_id(tmp_path / "state")
+    config = state / "config.json"
+    agent = {
+        "id": AGENT,
+        "isolateMemory": True,
+        "harness": {
+            "type": "command",
+            "argv": ["/bin/sh", "-c", "{prompt}"],
+            "output": "text",
+            "timeoutSeconds": 20,
+        },
+    }
+    write_config_document(
+        config,
+        {"gateway": {"stateDir": str(state), "admission": SUITE_ADMISSION}, "agents": [agent]},
+    )
+    gw = Gateway(load_config(config), NoEngineBackend())
+    try:
+        yield gw
+    finally:
+        await gw.close()
+
+
+class HeldSync:
+    """`WalSync._fsync` held at a gate, counted."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, gw: Gateway) -> None:
+        self.gate = threading.Event()
+        self.entered = threading.Event()
+        self.count = 0
+        wal = gw.store._db.wal
+        real = wal._fsync
+
+        def held() -> None:
+            self.count += 1
+            self.entered.set()
+            self.gate.wait(30)
+            real()
+
+        monkeypatch.setattr(wal, "_fsync", held)
+
+
+async def test_D1_F3_a_message_is_acknowledged_only_once_its_fsync_is_done(
+    gateway: Gateway, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`submit` returning is what lets a channel acknowledge the platform: not before
+    the fsync that covers the message's commit has ended. Ten more submitted while
+    that fsync runs share one more (group commit), not ten."""
+    held = HeldSync(monkeypatch, gateway)
+    first = asyncio.ensure_future(gateway.submit(AGENT, "api", "alice", "true"))
+    assert await asyncio.to_thread(held.entered.wait, 10)
+    more = [
+        asyncio.ensure_future(gateway.submit(AGENT, "api", f"chat{i}", "true")) for i in range(10)
+    ]
+    await asyncio.sleep(0.3)
+    assert not first.done() and not any(m.done() for m in more)
+    held.gate.set()
+    async with asyncio.timeout(20):
+        await asyncio.gather(first, *more)
+    assert held.count <= 3  # the first, then at most two for the ten queued behind it
+
+
+async def test_D1_a_reply_is_handed_over_only_once_its_fsync_is_done(
+    gateway: Gateway, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert (await gateway.turn(AGENT, "api", "bob", "echo warm")).result.ok
+    msg, _ = await gateway.submit(AGENT, "api", "bob", "echo answered")
+    held = HeldSync(monkeypatch, gateway)
+    waiting = asyncio.ensure_future(gateway.loop.wait(msg.id, 30))
+    assert await asyncio.to_thread(held.entered.wait, 20)  # the reply's commit, syncing
+    await asyncio.sleep(0.3)
+    assert not waiting.done()
+    reply = gateway.store.reply_for_message(msg.id)
+    assert reply is not None and "answered" in reply.text  # committed, not yet told
+    held.gate.set()
+    async with asyncio.timeout(20):
+        got = await waiting
+    assert "answered" in got.text
