@@ -62,10 +62,14 @@ class Intake:
             files=files,
         )
         msg, created, ticket = await in_lane(self._accept, accept)
-        # D1: on disk before anyone is told (the channel acknowledges the platform once
-        # this returns); the fsync is shared with the other messages committed meanwhile
-        await in_sync_lane(self.store.sync, ticket)
-        self.loop.wake(conv)
+        try:
+            # D1: on disk before anyone is told (the channel acknowledges the platform once
+            # this returns); the fsync is shared with the other messages committed meanwhile
+            await in_sync_lane(self.store.sync, ticket)
+        finally:
+            # stored all the same when the fsync failed: its turn is not lost, and its
+            # reply's own sync (later in the same WAL) covers the message too
+            self.loop.wake(conv)
         return msg, created
 
     def _accept(

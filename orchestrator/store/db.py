@@ -196,11 +196,12 @@ class Database:
         done already, an idempotent repeat, is covered too). `sync(ticket)` before anyone
         outside the process learns of them (D1)."""
         ticket = SyncTicket()
+        outer = getattr(self._local, "deferred", False)  # a block inside another keeps it
         self._local.deferred = True
         try:
             yield ticket
         finally:
-            self._local.deferred = False
+            self._local.deferred = outer
             ticket.upto = self.wal.marked()
 
     def sync(self, ticket: SyncTicket) -> None:

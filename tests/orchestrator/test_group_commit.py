@@ -89,6 +89,16 @@ def test_D1_F3_a_deferred_write_commits_without_fsync_and_sync_puts_it_on_disk(
     assert _commit_levels(store, lambda: store.accept_new(KEY, "m2", sender="u", text="x")) == [2]
 
 
+def test_D1_F3_a_block_inside_another_leaves_the_outer_one_deferred(store: Store) -> None:
+    with store.deferred_sync() as outer:
+        with store.deferred_sync() as inner:
+            store.accept_new(KEY, "m1", sender="u", text="hi")
+        levels = _commit_levels(store, lambda: store.accept_new(KEY, "m2", sender="u", text="x"))
+    assert levels == [1]
+    assert outer.upto > inner.upto > 0
+    assert _commit_levels(store, lambda: store.accept_new(KEY, "m3", sender="u", text="y")) == [2]
+
+
 def test_D1_F3_one_fsync_covers_every_commit_made_before_it_began(
     store: Store, synced: list[str]
 ) -> None:
@@ -267,3 +277,32 @@ async def test_D1_a_reply_is_handed_over_only_once_its_fsync_is_done(
     async with asyncio.timeout(20):
         got = await waiting
     assert "answered" in got.text
+
+
+async def test_D1_a_message_whose_fsync_failed_is_refused_to_its_sender_but_not_lost(
+    gateway: Gateway, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The disk failed the accepted message's fsync: its sender is not told it was
+    accepted (an error: a platform sends it again), yet the stored message is answered,
+    once its reply's own fsync, which covers the message too, has gone through."""
+    wal = gateway.store._db.wal
+    real = wal._fsync
+    failures = [1]
+
+    def once() -> None:
+        if failures[0]:
+            failures[0] -= 1
+            raise OSError(errno.EIO, "Input/output error")
+        real()
+
+    monkeypatch.setattr(wal, "_fsync", once)
+    with pytest.raises(StoreError, match="to disk failed"):
+        await gateway.submit(AGENT, "api", "carol", "echo kept", message_id="m-kept")
+    conv = gateway.store.upsert_conversation(ConversationKey(AGENT, "api", "carol"))
+    msg = gateway.store.find_message(conv.id, "m-kept")
+    assert msg is not None
+    async with asyncio.timeout(20):
+        reply = await gateway.loop.wait(msg.id, 20)
+    assert "kept" in reply.text
+    again, created = await gateway.submit(AGENT, "api", "carol", "echo kept", message_id="m-kept")
+    assert again.id == msg.id and not created  # the platform's resend: the same message
