@@ -16,12 +16,9 @@ import pytest
 
 from cellgate.errors import StoreError
 from cellgate.models import ConversationKey
-from orchestrator.config import load_config, write_config_document
 from orchestrator.gateway import Gateway
 from orchestrator.store import Store
-from tests.e2e.conftest import SUITE_ADMISSION
-from tests.fakes.no_engine import NoEngineBackend
-from tests.support.run_id import seed_gateway_id
+from tests.support.host_gateway import host_agent_gateway
 
 KEY = ConversationKey("bot", "telegram", "-1001")
 AGENT = "grouped"
@@ -199,27 +196,8 @@ def test_D1_sync_without_a_wal_file_syncs_the_database_itself(
 
 @pytest.fixture
 async def gateway(tmp_path: Path) -> AsyncIterator[Gateway]:
-    state = seed_gateway_id(tmp_path / "state")
-    config = state / "config.json"
-    agent = {
-        "id": AGENT,
-        "isolateMemory": True,
-        "harness": {
-            "type": "command",
-            "argv": ["/bin/sh", "-c", "{prompt}"],
-            "output": "text",
-            "timeoutSeconds": 20,
-        },
-    }
-    write_config_document(
-        config,
-        {"gateway": {"stateDir": str(state), "admission": SUITE_ADMISSION}, "agents": [agent]},
-    )
-    gw = Gateway(load_config(config), NoEngineBackend())
-    try:
+    async with host_agent_gateway(tmp_path, AGENT) as gw:
         yield gw
-    finally:
-        await gw.close()
 
 
 class HeldSync:

@@ -20,12 +20,9 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.config import load_config, write_config_document
 from orchestrator.gateway import Gateway
 from orchestrator.lane import HOST_THREAD_NAME, THREAD_NAME, Lane, in_host_lane, in_lane
-from tests.e2e.conftest import SUITE_ADMISSION
-from tests.fakes.no_engine import NoEngineBackend
-from tests.support.run_id import seed_gateway_id
+from tests.support.host_gateway import host_agent_gateway
 
 AGENT = "laned"
 WHO = contextvars.ContextVar("WHO", default="nobody")
@@ -142,30 +139,8 @@ async def test_F3_host_lane_is_its_own_thread_beside_the_turn_lane() -> None:
 
 @pytest.fixture
 async def gateway(tmp_path: Path) -> AsyncIterator[Gateway]:
-    state = seed_gateway_id(tmp_path / "state")
-    config = state / "config.json"
-    agent = {
-        "id": AGENT,
-        "isolateMemory": True,
-        "harness": {
-            "type": "command",
-            "argv": ["/bin/sh", "-c", "{prompt}"],
-            "output": "text",
-            "timeoutSeconds": 20,
-        },
-    }
-    write_config_document(
-        config,
-        {
-            "gateway": {"stateDir": str(state), "admission": SUITE_ADMISSION},
-            "agents": [agent],
-        },
-    )
-    gw = Gateway(load_config(config), NoEngineBackend())
-    try:
+    async with host_agent_gateway(tmp_path, AGENT) as gw:
         yield gw
-    finally:
-        await gw.close()
 
 
 async def test_F3_a_turn_does_not_wait_behind_a_full_default_executor(gateway: Gateway) -> None:
