@@ -357,10 +357,20 @@ class TurnLoop:
         if reply.delivered_at is not None:
             return True  # delivered as it was stored
         try:
-            await in_lane(self.store.mark_delivered, reply.outbound_key)
+            ticket = await in_lane(self._mark_delivered, reply.outbound_key)
         except StateConflict:
             logger.debug("reply %s already marked delivered", reply.outbound_key)
+            return True
+        # on disk before the worker goes on (as FULL was), through the shared fsync: the
+        # turn lane does not wait for it (F3)
+        await in_sync_lane(self.store.sync, ticket)
         return True
+
+    def _mark_delivered(self, outbound_key: str) -> SyncTicket:
+        """Stamp the sent reply, committed without an fsync of its own (`Store.sync`)."""
+        with self.store.deferred_sync() as ticket:
+            self.store.mark_delivered(outbound_key)
+        return ticket
 
     async def _answer(self, conv: Conversation, message: Message) -> TurnAnswer | None:
         """The turn's answer; None when the engine is away and the message must wait (R7)."""

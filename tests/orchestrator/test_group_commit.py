@@ -9,15 +9,18 @@ import asyncio
 import errno
 import os
 import threading
+import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 
 import pytest
 
 from cellgate.errors import StoreError
-from cellgate.models import ConversationKey
+from cellgate.models import ConversationKey, DeliveryReceipt, OutboundMessage
+from channels.base import Channel, InboundHandler
 from orchestrator.gateway import Gateway
-from orchestrator.store import Store
+from orchestrator.lane import in_lane
+from orchestrator.store import MessageState, Store
 from tests.support.host_gateway import host_agent_gateway
 
 KEY = ConversationKey("bot", "telegram", "-1001")
@@ -284,3 +287,59 @@ async def test_D1_a_message_whose_fsync_failed_is_refused_to_its_sender_but_not_
     assert "kept" in reply.text
     again, created = await gateway.submit(AGENT, "api", "carol", "echo kept", message_id="m-kept")
     assert again.id == msg.id and not created  # the platform's resend: the same message
+
+
+def _until(done: Callable[[], bool], timeout: float = 20) -> None:
+    deadline = time.monotonic() + timeout
+    while not done():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+class Sent(Channel):
+    """A platform channel that records what it sent; `on_send` runs after each send."""
+
+    name = "telegram"
+
+    def __init__(self, on_send: Callable[[], None]) -> None:
+        self.agent = AGENT
+        self.sent: list[OutboundMessage] = []
+        self.on_send = on_send
+
+    async def start(self, on_message: InboundHandler) -> None: ...
+
+    async def stop(self) -> None: ...
+
+    async def send(self, message: OutboundMessage) -> DeliveryReceipt:
+        self.sent.append(message)
+        self.on_send()
+        return DeliveryReceipt(f"tg-{len(self.sent)}")
+
+
+async def test_D1_F3_a_sent_reply_is_stamped_without_holding_the_turn_lane_for_its_fsync(
+    gateway: Gateway, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A reply sent on a platform channel is stamped delivered with the shared WAL fsync
+    (off the turn lane, which serves other turns meanwhile); its worker goes on only
+    once that fsync has ended."""
+    holds: list[HeldSync] = []
+    channel = Sent(lambda: holds.append(HeldSync(monkeypatch, gateway)))
+    gateway.channels[(AGENT, "telegram")] = channel
+    msg, _ = await gateway.submit(AGENT, "telegram", "-42", "echo sent")
+    worker = gateway.loop._workers[msg.conversation_id]
+    async with asyncio.timeout(20):
+        await asyncio.to_thread(_until, lambda: bool(holds))
+    held = holds[0]
+    assert await asyncio.to_thread(held.entered.wait, 20)  # the stamp's commit, syncing
+    assert "sent" in channel.sent[0].text
+    async with asyncio.timeout(5):  # the turn lane is free while the fsync is held
+        stamped = await in_lane(gateway.store.reply_for_message, msg.id)
+    assert stamped is not None and stamped.delivered_at is not None
+    await asyncio.sleep(0.2)  # the worker waits for the fsync
+    assert not worker.done()
+    held.gate.set()
+    async with asyncio.timeout(20):
+        await worker
+    stored = gateway.store.get_message(msg.id)
+    assert stored is not None and stored.state is MessageState.DELIVERED
+    assert len(channel.sent) == 1
