@@ -12,11 +12,18 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
-from cellgate.errors import MountVerificationFailed, SandboxError
+from cellgate.errors import CellgateError, MountVerificationFailed, SandboxError
 from sandbox.spec import SandboxSpec
 from sandbox.verify import ObservedContainer, violations
 
 logger = logging.getLogger(__name__)
+
+# What a shell or an interpreter prints when a fork fails (dash, bash, Python, busybox):
+# a command that says so and fails makes the gateway probe whether its sandbox can still
+# start a process (R7).
+FORK_FAILED = (b"Cannot fork", b"can't fork", b"fork: ", b"Resource temporarily unavailable")
+FORK_PROBE = ("/bin/sh", "-c", "true | true")  # two processes, one of them a fork of sh
+PROBE_SECONDS = 10.0
 
 
 class SandboxNotFound(SandboxError):
@@ -40,6 +47,13 @@ class ExecResult:
     stdout: bytes
     stderr: bytes
     timed_out: bool = False
+
+
+def _fork_failed(result: ExecResult) -> bool:
+    if result.exit_code == 0 or result.timed_out:
+        return False
+    said = result.stderr[-4096:] + result.stdout[-4096:]
+    return any(m in said for m in FORK_FAILED)
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,7 +106,30 @@ class SandboxBackend(abc.ABC):
     ) -> ExecResult:
         if not argv:
             raise ValueError("argv is empty")
-        return await self._exec(handle, list(argv), dict(env or {}), stdin, timeout, workdir)
+        env = dict(env or {})
+        result = await self._exec(handle, list(argv), env, stdin, timeout, workdir)
+        if self.confined and _fork_failed(result):
+            await self._judge_saturated(handle, env, workdir)
+        return result
+
+    async def _judge_saturated(
+        self, handle: SandboxHandle, env: dict[str, str], workdir: str | None
+    ) -> None:
+        """R7: the command started but could not fork (its sandbox's pids taken by a
+        process that keeps them). If a probe cannot fork either, the sandbox is spent:
+        it is removed, and the chat's next turn runs in a fresh one (its memory is on the
+        host). The command's own result stands: part of it ran."""
+        try:
+            probe = await self._exec(handle, list(FORK_PROBE), env, None, PROBE_SECONDS, workdir)
+        except CellgateError:
+            return  # spent and removed already (nothing could start), or the engine is away
+        if probe.exit_code == 0 and not probe.timed_out:
+            return
+        logger.warning("sandbox %s cannot start processes any more; removing it", handle.name)
+        try:
+            await self.remove(handle.name)
+        except CellgateError as exc:
+            logger.warning("could not remove the spent sandbox %s: %s", handle.name, exc)
 
     @abc.abstractmethod
     async def _ensure(self, spec: SandboxSpec) -> SandboxHandle: ...
