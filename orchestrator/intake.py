@@ -49,7 +49,7 @@ class Intake:
         conv = conversation_id(key)
 
         async def pending() -> int:
-            return len(await in_lane(self.store.pending_for_conversation, conv))
+            return await in_lane(self.store.pending_count, conv)
 
         # admitted first: a refused message (a flood of new chats) makes no conversation row
         await self.gate.admit(agent_id, channel, chat_id, sender, conv, pending)

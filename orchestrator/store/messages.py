@@ -43,6 +43,9 @@ from orchestrator.store.models import (
 ATTACHMENT_LEDGER_SIZE = 200  # P3: the newest 200 file ids per chat
 _PENDING_SQL = ",".join(f"'{s.value}'" for s in PENDING_STATES)
 _MESSAGE_STATE_SQL = "SELECT state FROM messages WHERE id = ?"
+# a conversation's turn queue, through the partial index `messages_queue` (schema: its
+# WHERE is this very `state IN (...)` term), never through the conversation's history
+QUEUE_SQL = f"FROM messages WHERE conversation_id = ? AND state IN ({_PENDING_SQL})"
 
 
 def conversation_id(key: ConversationKey) -> ConversationId:
@@ -308,12 +311,13 @@ class MessagesMixin(StoreBase):
 
     def pending_for_conversation(self, conversation: ConversationId) -> list[Message]:
         """The conversation's unanswered messages, oldest first (its turn queue)."""
-        rows = self._db.query(
-            f"SELECT * FROM messages WHERE conversation_id = ?"  # noqa: S608
-            f" AND state IN ({_PENDING_SQL}) ORDER BY id",
-            (conversation,),
-        )
+        rows = self._db.query(f"SELECT * {QUEUE_SQL} ORDER BY id", (conversation,))
         return [_message(r) for r in rows]
+
+    def pending_count(self, conversation: ConversationId) -> int:
+        """How many messages wait in the conversation's turn queue (R4: its admission)."""
+        rows = self._db.query(f"SELECT count(*) {QUEUE_SQL}", (conversation,))
+        return int(rows[0][0])
 
     # -- replies -------------------------------------------------------------
 

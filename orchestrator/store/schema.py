@@ -244,11 +244,22 @@ _V_CRON = (
     "CREATE INDEX cron_jobs_due ON cron_jobs (enabled, next_run_at)",
 )
 
+# A conversation's turn queue, read at every admission check and every turn: its
+# pending messages only (a partial index stays as small as the queues). Without it the
+# lookup walked the conversation's whole history, and a chat of years (or a stranger's
+# flood of answered messages) made every message of every chat wait on the turn lane.
+# The WHERE must stay the very `state IN (...)` term the store's queue queries use.
+_V_QUEUE = (
+    "CREATE INDEX messages_queue ON messages (conversation_id, id)"
+    " WHERE state IN ('accepted','running','replied')",
+)
+
 MIGRATIONS: tuple[tuple[str, ...], ...] = (
     _V1,
     _V_CHANNELS,
     _V_API_KEYS,
     _V_DISCORD_THREADS,
     _V_CRON,
+    _V_QUEUE,
 )
 SCHEMA_VERSION = len(MIGRATIONS)

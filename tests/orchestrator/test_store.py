@@ -33,7 +33,8 @@ from orchestrator.store import (
     Turn,
     conversation_id,
 )
-from orchestrator.store.schema import SCHEMA_VERSION
+from orchestrator.store.messages import QUEUE_SQL
+from orchestrator.store.schema import MIGRATIONS, SCHEMA_VERSION
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -759,3 +760,51 @@ def test_D1_close_while_another_thread_writes_waits_for_its_statement(tmp_path: 
     reopened = Store.open(tmp_path)
     assert reopened.get_conversation(conv.id).last_active_at == 2.0  # type: ignore[union-attr]
     reopened.close()
+
+
+def test_R4_F3_a_chats_queue_is_read_without_walking_its_history(
+    store: Store, conv: Conversation
+) -> None:
+    """Every admission check and every turn reads the chat's queue: through the partial
+    index of pending messages, so a chat of 20000 answered messages (years of it, or a
+    stranger's flood) costs what a new chat costs. Counted in SQLite VM steps."""
+    now = store._now()
+    with store._db.write() as c:
+        c.executemany(
+            "INSERT INTO messages (conversation_id, platform_message_id, sender, text,"
+            " received_at, state, updated_at) VALUES (?, ?, 's', 'old', ?, 'delivered', ?)",
+            [(conv.id, f"old-{i}", now, now) for i in range(20_000)],
+        )
+    store.accept_message(conv.id, "new-1", sender="s", text="one")
+    store.accept_message(conv.id, "new-2", sender="s", text="two")
+    conn = store._db.connection()
+    steps = [0]
+
+    def step() -> int:
+        steps[0] += 1
+        return 0
+
+    conn.set_progress_handler(step, 100)  # called every 100 VM instructions
+    try:
+        assert [m.text for m in store.pending_for_conversation(conv.id)] == ["one", "two"]
+        assert store.pending_count(conv.id) == 2
+    finally:
+        conn.set_progress_handler(None, 0)
+    assert steps[0] < 20, steps[0]  # a walk of the history takes thousands
+    plan = conn.execute(
+        f"EXPLAIN QUERY PLAN SELECT * {QUEUE_SQL} ORDER BY id", (conv.id,)
+    ).fetchall()
+    assert any("messages_queue" in row[3] for row in plan), [tuple(r) for r in plan]
+
+
+def test_R4_a_database_from_before_the_queue_index_gets_it(tmp_path: Path) -> None:
+    db = sqlite3.connect(tmp_path / DB_FILE)
+    for migration in MIGRATIONS[:-1]:
+        for statement in migration:
+            db.execute(statement)
+    db.execute(f"PRAGMA user_version = {len(MIGRATIONS) - 1}")
+    db.commit()
+    db.close()
+    with Store.open(tmp_path) as store:
+        names = {r[0] for r in store._db.query("SELECT name FROM sqlite_master")}
+    assert "messages_queue" in names
