@@ -194,6 +194,7 @@ class TurnRunner:
         is then told that the turn left its sandbox (F3: a claim never settled would hold
         off every refill for the longest wait).
         """
+        place: Placement | None = None
         try:
             key = conversation_key(conv)
             if rt.host is not None:
@@ -254,6 +255,8 @@ class TurnRunner:
                 )
             return result
         finally:
+            if place is not None:  # R7: a sandbox a command of this turn found saturated
+                await (place.backend or self.backend).retire_if_spent(place.handle)
             if isinstance(rt.sandboxes, ConversationSandboxes) and rt.sandboxes.pool is not None:
                 rt.sandboxes.pool.settled(conv.id)
 

@@ -7,7 +7,9 @@ the hook created; `exec` bounds the time); backends implement the `_` hooks.
 from __future__ import annotations
 
 import abc
+import asyncio
 import logging
+from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import ClassVar
@@ -24,6 +26,9 @@ logger = logging.getLogger(__name__)
 FORK_FAILED = (b"Cannot fork", b"can't fork", b"fork: ", b"Resource temporarily unavailable")
 FORK_PROBE = ("/bin/sh", "-c", "true | true")  # two processes, one of them a fork of sh
 PROBE_SECONDS = 10.0
+PROBES = 3  # a sandbox is judged saturated only when each of them cannot fork
+PROBE_PAUSE = 0.5
+SPENT_KEPT = 256  # saturated sandboxes not yet retired (their turns still running)
 
 
 class SandboxNotFound(SandboxError):
@@ -67,6 +72,8 @@ class SandboxInfo:
 class SandboxBackend(abc.ABC):
     """ensure(spec) → handle; exec; inspect; remove; list by label."""
 
+    _spent_ids: OrderedDict[str, None] | None = None  # saturated, to retire (R7)
+
     confined: ClassVar[bool] = True
     """False when `exec` runs on the gateway's host: what such a process prints may hold
     host paths, so a chat is shown a reference, never its error output."""
@@ -108,28 +115,52 @@ class SandboxBackend(abc.ABC):
             raise ValueError("argv is empty")
         env = dict(env or {})
         result = await self._exec(handle, list(argv), env, stdin, timeout, workdir)
-        if self.confined and _fork_failed(result):
-            await self._judge_saturated(handle, env, workdir)
+        if self.confined and _fork_failed(result) and await self._saturated(handle, env, workdir):
+            self._spent()[handle.container_id] = None
+            while len(self._spent()) > SPENT_KEPT:
+                self._spent().popitem(last=False)
         return result
 
-    async def _judge_saturated(
+    async def _saturated(
         self, handle: SandboxHandle, env: dict[str, str], workdir: str | None
-    ) -> None:
-        """R7: the command started but could not fork (its sandbox's pids taken by a
-        process that keeps them). If a probe cannot fork either, the sandbox is spent:
-        it is removed, and the chat's next turn runs in a fresh one (its memory is on the
-        host). The command's own result stands: part of it ran."""
-        try:
-            probe = await self._exec(handle, list(FORK_PROBE), env, None, PROBE_SECONDS, workdir)
-        except CellgateError:
-            return  # spent and removed already (nothing could start), or the engine is away
-        if probe.exit_code == 0 and not probe.timed_out:
-            return
+    ) -> bool:
+        """R7: the command started but could not fork. Is its sandbox saturated (its pids
+        kept by a process that holds them), not merely busy a moment? Only if a probe,
+        `PROBES` times a little apart, cannot fork either. A probe that timed out, failed
+        otherwise or could not reach the sandbox is no proof: the sandbox is kept."""
+        for attempt in range(PROBES):
+            if attempt:
+                await asyncio.sleep(PROBE_PAUSE)
+            try:
+                probe = await self._exec(
+                    handle, list(FORK_PROBE), env, None, PROBE_SECONDS, workdir
+                )
+            except CellgateError:
+                return False  # gone already (nothing could start: spent, removed) or away
+            if not _fork_failed(probe):
+                return False
+        return True
+
+    def _spent(self) -> OrderedDict[str, None]:
+        if self._spent_ids is None:  # made at first use: a backend's __init__ is its own
+            self._spent_ids = OrderedDict()
+        return self._spent_ids
+
+    async def retire_if_spent(self, handle: SandboxHandle) -> bool:
+        """R7: remove the sandbox (by its container id) when a command of the turn that
+        has just ended found it saturated; the chat's next turn runs in a fresh one, its
+        memory being on the host. Called once the turn is over: a harness may exec more
+        than once in a turn, and the command's own result stands (part of it ran)."""
+        spent = self._spent()
+        if handle.container_id not in spent:
+            return False
+        del spent[handle.container_id]
         logger.warning("sandbox %s cannot start processes any more; removing it", handle.name)
         try:
-            await self.remove(handle.name)
+            await self.remove(handle.container_id)
         except CellgateError as exc:
             logger.warning("could not remove the spent sandbox %s: %s", handle.name, exc)
+        return True
 
     @abc.abstractmethod
     async def _ensure(self, spec: SandboxSpec) -> SandboxHandle: ...

@@ -330,14 +330,16 @@ async def test_D1_F3_a_sent_reply_is_stamped_without_holding_the_turn_lane_for_i
     async with asyncio.timeout(20):
         await asyncio.to_thread(_until, lambda: bool(holds))
     held = holds[0]
-    assert await asyncio.to_thread(held.entered.wait, 20)  # the stamp's commit, syncing
-    assert "sent" in channel.sent[0].text
-    async with asyncio.timeout(5):  # the turn lane is free while the fsync is held
-        stamped = await in_lane(gateway.store.reply_for_message, msg.id)
-    assert stamped is not None and stamped.delivered_at is not None
-    await asyncio.sleep(0.2)  # the worker waits for the fsync
-    assert not worker.done()
-    held.gate.set()
+    try:
+        assert await asyncio.to_thread(held.entered.wait, 20)  # the stamp's commit, syncing
+        assert "sent" in channel.sent[0].text
+        async with asyncio.timeout(5):  # the turn lane is free while the fsync is held
+            stamped = await in_lane(gateway.store.reply_for_message, msg.id)
+        assert stamped is not None and stamped.delivered_at is not None
+        await asyncio.sleep(0.2)  # the worker waits for the fsync
+        assert not worker.done()
+    finally:
+        held.gate.set()  # the sync lane is the whole process's
     async with asyncio.timeout(20):
         await worker
     stored = gateway.store.get_message(msg.id)
