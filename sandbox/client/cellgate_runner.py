@@ -63,6 +63,25 @@ def read_exact(sock: _socket.socket, n: int) -> bytes | None:
     return bytes(buf)
 
 
+def started_env() -> dict[str, str]:
+    """The environment this process was started with, which a command gets (as from an
+    exec or the native runner). Python's locale coercion (PEP 538) adds LC_CTYPE to
+    os.environ when the locale is C; /proc/self/environ still shows the original."""
+    env = dict(os.environ)
+    if "LC_CTYPE" in env:
+        try:
+            with open("/proc/self/environ", "rb") as f:
+                started = f.read(1 << 20).split(b"\0")
+        except OSError:
+            return env
+        if not any(e.startswith(b"LC_CTYPE=") for e in started):
+            del env["LC_CTYPE"]
+    return env
+
+
+STARTED_ENV = started_env()
+
+
 def kill_marked(marker: str) -> None:
     needle = marker.encode()
     for name in os.listdir("/proc"):
@@ -179,7 +198,7 @@ def run(req: dict[str, Any], stdin: bytes | None) -> tuple[dict[str, Any], bytes
     argv = [str(a) for a in args]
     if not argv:
         return {"code": 126, "timed_out": False}, b"", b"cellgate-runner: bad request\n"
-    env = dict(os.environ)
+    env = dict(STARTED_ENV)
     env.update({str(k): str(v) for k, v in extra.items()})
     name, _, value = marker.partition("=")
     env[name] = value

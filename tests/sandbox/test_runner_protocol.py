@@ -71,6 +71,9 @@ async def test_F2_runners_run_as_exec_would(runner: RunnerSocket, tmp_path: Path
     assert r == ExecResult(7, b"out\n", b"err\n")
     r = await _run(runner, 'echo "$X $FROM_RUNNER $CELLGATE_EXEC"; pwd', workdir=str(tmp_path))
     assert r is not None and r.stdout == f"1 kept probe-1\n{tmp_path}\n".encode()
+    # the runner's own environment, as it was started: not Python's locale coercion
+    r = await _run(runner, 'echo "${LC_CTYPE-unset} ${LC_ALL-unset}"')
+    assert r is not None and r.stdout == b"unset unset\n", r
     r = await _run(runner, "kill -9 $$")
     assert r is not None and (r.exit_code, r.timed_out) == (137, False)  # 128 + signal
     r = await runner.run(["printf", "%s", "caf\udce9"], {}, None, 5, None, MARKER)
