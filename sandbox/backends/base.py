@@ -116,9 +116,10 @@ class SandboxBackend(abc.ABC):
         env = dict(env or {})
         result = await self._exec(handle, list(argv), env, stdin, timeout, workdir)
         if self.confined and _fork_failed(result) and await self._saturated(handle, env, workdir):
-            self._spent()[handle.container_id] = None
-            while len(self._spent()) > SPENT_KEPT:
-                self._spent().popitem(last=False)
+            spent = self._spent()
+            spent[handle.container_id] = None
+            while len(spent) > SPENT_KEPT:
+                spent.popitem(last=False)
         return result
 
     async def _saturated(

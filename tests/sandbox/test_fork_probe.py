@@ -6,31 +6,20 @@ answers from a script."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-
 import pytest
 
 from cellgate.errors import SandboxSpent
 from sandbox.backends import base
-from sandbox.backends.base import (
-    FORK_PROBE,
-    PROBES,
-    ExecResult,
-    ImageFacts,
-    SandboxBackend,
-    SandboxHandle,
-    SandboxInfo,
-    SandboxNotFound,
-)
-from sandbox.spec import SandboxSpec
-from sandbox.verify import ObservedContainer
+from sandbox.backends.base import FORK_PROBE, PROBES, ExecResult, SandboxHandle, SandboxNotFound
+from tests.fakes.no_engine import NoEngineBackend
 
 HANDLE = SandboxHandle("cg-test-sandbox", "c0ffee", "hash")
 FORK_FAILED = ExecResult(2, b"", b"sh: 1: Cannot fork\n")
 
 
-class Scripted(SandboxBackend):
-    """Each `_exec` answers the next scripted result (or raises it)."""
+class Scripted(NoEngineBackend):
+    """Each `_exec` answers the next scripted result (or raises it); `remove` is recorded;
+    anything else needs an engine this backend does not have."""
 
     def __init__(self, *answers: ExecResult | Exception, confined: bool = True) -> None:
         self.answers = list(answers)
@@ -55,29 +44,6 @@ class Scripted(SandboxBackend):
 
     async def remove(self, name: str) -> None:
         self.removed.append(name)
-
-    async def _ensure(self, spec: SandboxSpec) -> SandboxHandle:
-        raise NotImplementedError
-
-    async def inspect(self, name: str) -> ObservedContainer:
-        raise NotImplementedError
-
-    async def list(self, labels: Mapping[str, str]) -> list[SandboxInfo]:
-        raise NotImplementedError
-
-    async def image_facts(self, image: str) -> ImageFacts:
-        raise NotImplementedError
-
-    async def probe(
-        self,
-        runtime: str | None,
-        image: str,
-        argv: Sequence[str],
-        *,
-        run_id: str,
-        timeout: float,  # noqa: ASYNC109
-    ) -> ExecResult:
-        raise NotImplementedError
 
 
 @pytest.fixture(autouse=True)
